@@ -1,0 +1,44 @@
+# Every target sets up what it needs from nothing: a fresh clone and Python 3.11 with pip.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# Eight emulated CPU devices, set before JAX starts (entry points also set jax_num_cpu_devices).
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS ?= cpu
+export PYTHONHASHSEED = 0
+
+.PHONY: help demo test test-fast notebooks bench examples clean
+
+help:  ## List the targets.
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## Auto-parallelise a GPT-style Flax model on 8 emulated CPU devices.
+	$(PY) examples/gpt_semi_auto.py
+
+test: $(STAMP)  ## Run the whole suite: unit tests, examples (--smoke) and notebooks.
+	$(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
+	$(MAKE) --no-print-directory notebooks
+
+test-fast: $(STAMP)  ## The suite without the slow tests.
+	$(PY) -m pytest -n 2 -m "not slow" tests
+
+notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmake.
+	mkdir -p build/notebooks
+	for nb in notebooks/*.md; do \
+	  $(VENV)/bin/jupytext --quiet --to ipynb -o build/notebooks/$$(basename $$nb .md).ipynb $$nb || exit 1; \
+	done
+	$(PY) -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 build/notebooks
+
+bench: $(STAMP)  ## Measure plans and jaxpar's own time; writes bench/results/*.json and *.md.
+	$(PY) bench/run.py
+
+clean:  ## Remove the environment and build outputs.
+	rm -rf $(VENV) build bench/results

@@ -1,0 +1,46 @@
+"""jaxpar: MindSpore-style automatic parallelism for JAX.
+
+Write single-device JAX; jaxpar traces it, chooses a sharding for every operator (given by you,
+propagated, or searched), emits ``NamedSharding`` constraints and lets XLA insert the collectives.
+
+>>> import jaxpar
+>>> mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+"""
+
+from jaxpar import inspect as inspect
+from jaxpar._src.api import Parallelized as Parallelized
+from jaxpar._src.api import parallelize as parallelize
+from jaxpar._src.context import ParallelMode as ParallelMode
+from jaxpar._src.context import auto_parallel_context as auto_parallel_context
+from jaxpar._src.context import get_algo_parameters as get_algo_parameters
+from jaxpar._src.context import get_auto_parallel_context as get_auto_parallel_context
+from jaxpar._src.context import reset_algo_parameters as reset_algo_parameters
+from jaxpar._src.context import reset_auto_parallel_context as reset_auto_parallel_context
+from jaxpar._src.context import set_algo_parameters as set_algo_parameters
+from jaxpar._src.context import set_auto_parallel_context as set_auto_parallel_context
+from jaxpar._src.errors import ContextError as ContextError
+from jaxpar._src.errors import JaxparError as JaxparError
+from jaxpar._src.errors import JaxparWarning as JaxparWarning
+from jaxpar._src.errors import MeshError as MeshError
+from jaxpar._src.errors import PlanError as PlanError
+from jaxpar._src.errors import StrategyError as StrategyError
+from jaxpar._src.hardware import HardwareProfile as HardwareProfile
+from jaxpar._src.layout import Layout as Layout
+from jaxpar._src.mesh import make_mesh as make_mesh
+from jaxpar._src.plan import OpDecision as OpDecision
+from jaxpar._src.plan import ShardingPlan as ShardingPlan
+from jaxpar._src.rules import register_rule as register_rule
+from jaxpar._src.rules.factors import FactorRule as FactorRule
+from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
+from jaxpar._src.shard import shard as shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContextError", "FactorRule", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout",
+    "MeshError", "OpDecision", "ParallelMode", "Parallelized", "PlanError", "RuleBuilder",
+    "ShardingPlan", "StrategyError", "auto_parallel_context", "get_algo_parameters",
+    "get_auto_parallel_context", "inspect", "make_mesh", "parallelize", "register_rule",
+    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
+    "set_auto_parallel_context", "shard",
+]

@@ -1,0 +1,432 @@
+"""``jaxpar.parallelize``: the whole-program transform (trace -> plan -> lower), jit-like."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxpar._src import pins as pinlib
+from jaxpar._src.context import (
+    AVAILABLE_SEARCH_MODES,
+    SEARCH_MODES,
+    ParallelMode,
+    current_context,
+)
+from jaxpar._src.cost import CostModel
+from jaxpar._src.data_parallel import batch_specs, infer_batch_argnums, scale_gradients
+from jaxpar._src.errors import ContextError, PlanError, StrategyError
+from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.layout import Layout
+from jaxpar._src.lower import make_evaluator, named_sharding
+from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
+from jaxpar._src.plan import ShardingPlan, make_plan
+from jaxpar._src.rules import strategy_for_specs
+from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
+from jaxpar._src.spec import MeshShape, Spec
+from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
+from jaxpar._src.trace import TracedProgram, trace
+from jaxpar._src.tracing_state import tracing_with
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a plan depends on besides the function and its argument signature."""
+
+    mode: ParallelMode
+    search_mode: str
+    mesh: Mesh
+    hardware: HardwareProfile
+    gradients_mean: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Compiled:
+    """One input signature's traced program, plan and jitted function."""
+
+    program: TracedProgram
+    plan: ShardingPlan
+    settings: Settings
+    jitted: Any
+    in_shardings: tuple[Any, ...]  # flat, per dynamic leaf
+    timings: Mapping[str, float]  # seconds: trace, search (plan)
+
+
+class Parallelized:
+    """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it."""
+
+    def __init__(self, fn: Callable, *, mesh: Mesh | None, parallel_mode: Any,
+                 search_mode: str | None, in_strategy: Any, out_strategy: Any,
+                 hardware: HardwareProfile | None, batch_argnums: Sequence[int] | int | None,
+                 donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int,
+                 parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize"):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._mesh = mesh
+        self._mode = None if parallel_mode is None else _mode(parallel_mode)
+        if search_mode is not None and search_mode not in SEARCH_MODES:
+            raise ContextError(f"{api}: search_mode {search_mode!r} is not one of "
+                               f"{list(SEARCH_MODES)}.")
+        self._search_mode = search_mode
+        self._in_strategy = in_strategy
+        self._out_strategy = out_strategy
+        self._hardware = hardware
+        self._batch_argnums = _argnums(batch_argnums)
+        self._donate = _argnums(donate_argnums) or ()
+        self._static = _argnums(static_argnums) or ()
+        self._parameter_plan = parameter_plan
+        self._api = f"{api}({getattr(fn, '__name__', 'fn')})"
+        self._signature = _signature(fn)
+        self._cache: dict[Any, Compiled] = {}
+        if mesh is not None:
+            check_auto_axes(mesh, self._api)
+
+    # -- public -------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._bind(args, kwargs)
+        entry = self._compiled(args)
+        dyn = [a for i, a in enumerate(args) if i not in self._static]
+        leaves, tree = jax.tree.flatten(dyn)
+        placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
+        dyn = jax.tree.unflatten(tree, placed)
+        it = iter(dyn)
+        full = [a if i in self._static else next(it) for i, a in enumerate(args)]
+        return entry.jitted(*full)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
+        args = self._bind(args, kwargs)
+        return self._compiled(args).jitted.lower(*args)
+
+    def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
+        """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
+        return self._compiled(self._bind(args, kwargs)).plan
+
+    def compiled_entry(self, *args: Any, **kwargs: Any) -> Compiled:
+        """The traced program, plan, settings and timings for these arguments."""
+        return self._compiled(self._bind(args, kwargs))
+
+    # -- internals ----------------------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> tuple:
+        if not kwargs:
+            return args
+        if self._signature is None:
+            raise TypeError(f"{self._api}: pass arguments positionally.")
+        bound = self._signature.bind(*args, **kwargs)
+        if bound.kwargs:
+            raise TypeError(f"{self._api}: keyword-only arguments {sorted(bound.kwargs)} are not "
+                            f"supported; make them positional.")
+        return tuple(bound.args)
+
+    def _settings(self) -> Settings:
+        ctx = current_context()
+        mode = self._mode if self._mode is not None else ctx.parallel_mode
+        search = self._search_mode or ctx.search_mode
+        hardware = self._hardware or ctx.hardware or HardwareProfile()
+        if mode is ParallelMode.STAND_ALONE:
+            mesh = single_device_mesh()
+        else:
+            mesh = self._mesh or ctx.mesh or self._strategy_mesh(ctx.device_num)
+            if mesh is None:
+                n = ctx.device_num or len(jax.devices())
+                mesh = make_mesh((n,), ("devices",))
+        check_auto_axes(mesh, self._api)
+        if mode is ParallelMode.AUTO_PARALLEL and search not in AVAILABLE_SEARCH_MODES:
+            raise PlanError(
+                f"{self._api}: search_mode={search!r} is not available in this version of "
+                f"jaxpar; available: {list(AVAILABLE_SEARCH_MODES)}. Use "
+                f"search_mode='sharding_propagation' with a few in_strategy/shard pins.")
+        return Settings(mode, search, mesh, hardware, ctx.gradients_mean)
+
+    def _strategy_mesh(self, device_num: int | None) -> Mesh | None:
+        """A mesh from Layout or slice-count strategies when none is given."""
+        leaves = []
+        for tree in (self._in_strategy, self._out_strategy):
+            if tree is not None:
+                leaves += jax.tree.leaves(tree, is_leaf=is_strategy_leaf)
+        leaves += list((self._parameter_plan or {}).values())
+        layouts = [x for x in leaves if isinstance(x, Layout)]
+        if layouts:
+            return layouts[0].mesh()
+        counts = [x for x in leaves if is_slice_counts(x)]
+        if counts:
+            n = device_num or len(jax.devices())
+            return mesh_for_slice_counts(counts, n, where=self._api)
+        return None
+
+    def _compiled(self, args: tuple) -> Compiled:
+        settings = self._settings()
+        key = (_signature_key(args, self._static), settings)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache[key] = self._build(args, settings)
+        return entry
+
+    def _build(self, args: tuple, settings: Settings) -> Compiled:
+        t0 = time.perf_counter()
+        names = self._arg_names(len(args))
+        mesh = settings.mesh
+        fn = self._fn
+        with tracing_with(mesh):
+            program = trace(fn, args, static_argnums=self._static, arg_names=names)
+            batch = None
+            if settings.mode is ParallelMode.DATA_PARALLEL:
+                batch = self._batch(args, program, names)
+                if not settings.gradients_mean:
+                    degree = MeshShape.of(mesh).num_devices
+                    fn = scale_gradients(fn, args, batch, self._static, degree)
+                    program = trace(fn, args, static_argnums=self._static, arg_names=names)
+        t1 = time.perf_counter()
+        model = CostModel(MeshShape.of(mesh), settings.hardware)
+        space = SearchSpace(program.graph, model)
+        pins = self._pins(args, program, mesh, space, settings, batch)
+        assignment = self._search(space, pins, settings)
+        plan = make_plan(program.graph, assignment, space,
+                         device_ids=[d.id for d in mesh.devices.flat],
+                         parallel_mode=settings.mode.value,
+                         search_mode=("none" if settings.mode is ParallelMode.STAND_ALONE
+                                      else "sharding_propagation"))
+        t2 = time.perf_counter()
+        jitted, flat_in = self._jit(program, plan, mesh, settings)
+        return Compiled(program, plan, settings, jitted, flat_in,
+                        {"trace": t1 - t0, "search": t2 - t1})
+
+    def _arg_names(self, n: int) -> list[str]:
+        names = list(self._signature.parameters) if self._signature is not None else []
+        names = [p for p in names if self._signature.parameters[p].kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+    def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
+        if self._batch_argnums is not None:
+            return self._batch_argnums
+        return infer_batch_argnums(args, program.out_shapes, self._static, names, api=self._api)
+
+    def _pins(self, args: tuple, program: TracedProgram, mesh: Mesh, space: SearchSpace,
+              settings: Settings, batch: tuple[int, ...] | None) -> list[Pin]:
+        graph = program.graph
+        mshape = MeshShape.of(mesh)
+        in_shapes = [graph.values[graph.nodes[n].outputs[0]].shape for n in graph.inputs]
+        in_dtypes = [graph.values[graph.nodes[n].outputs[0]].dtype for n in graph.inputs]
+        pins: list[Pin] = []
+        if settings.mode is ParallelMode.STAND_ALONE:
+            return pins
+        if settings.mode is ParallelMode.DATA_PARALLEL:
+            specs = batch_specs(program, batch, mshape, in_shapes, api=self._api)
+            for nid, spec in zip(graph.inputs, specs, strict=True):
+                pins.append(self._pin(space, nid, "out", spec, "data_parallel"))
+        dyn_args = [a for i, a in enumerate(args) if i not in self._static]
+        dyn_names = [n for i, n in enumerate(self._arg_names(len(args))) if i not in self._static]
+        leaf_names = [name for _, name in pinlib.leaf_names(dyn_args, dyn_names)]
+        raw = pinlib.argument_strategies(self._in_strategy, dyn_args, dyn_names, api=self._api)
+        by_name = pinlib.parameter_plan_strategies(self._parameter_plan, leaf_names,
+                                                   api=self._api)
+        raw = pinlib.merge(raw, by_name, leaf_names, api=self._api)
+        wheres = [f"{self._api}: strategy of argument '{nm}'" for nm in leaf_names]
+        specs = pinlib.normalize_all(raw, in_shapes, in_dtypes, mesh, wheres)
+        pinned_inputs = {p.node for p in pins}
+        for nid, spec in zip(graph.inputs, specs, strict=True):
+            if spec is None:
+                continue
+            if nid in pinned_inputs:
+                raise StrategyError(
+                    f"{self._api}: in data_parallel mode the layouts of the arguments are "
+                    f"fixed by the mode; drop in_strategy/parameter_plan or use "
+                    f"parallel_mode='semi_auto_parallel'.")
+            pins.append(self._pin(space, nid, "out", spec, "in_strategy"))
+        out_raw = pinlib.output_strategies(self._out_strategy, program.out_shapes, api=self._api)
+        out_nodes = graph.outputs
+        out_shapes = [graph.operand_shape(graph.nodes[n].inputs[0]) for n in out_nodes]
+        out_dtypes = [graph.operand_dtype(graph.nodes[n].inputs[0]) for n in out_nodes]
+        out_specs = pinlib.normalize_all(
+            out_raw, out_shapes, out_dtypes, mesh,
+            [f"{self._api}: out_strategy for {p}" for p in program.out_paths])
+        for nid, spec in zip(out_nodes, out_specs, strict=True):
+            if spec is not None:
+                pins.append(self._pin(space, nid, "in", spec, "out_strategy"))
+        pins.extend(_constraint_pins(space, mshape, self._api))
+        return pins
+
+    def _pin(self, space: SearchSpace, nid: int, side: str, spec: Spec, origin: str) -> Pin:
+        strategy = strategy_for_specs(space.rule(nid), {(side, 0): spec}, space.model.mesh)
+        if strategy is None:  # normalisation checked divisibility; this is a jaxpar bug
+            raise PlanError(f"{self._api}: internal error pinning node {nid} to {spec}.")
+        return Pin(nid, strategy, origin)
+
+    def _search(self, space: SearchSpace, pins: list[Pin], settings: Settings) -> Assignment:
+        if settings.mode is ParallelMode.STAND_ALONE:
+            graph = space.graph
+            return Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
+                              {n.id: "stand_alone" for n in graph.searchable()})
+        return propagate(space, pins, where=self._api)
+
+    def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
+             settings: Settings) -> tuple[Any, tuple[Any, ...]]:
+        graph = program.graph
+        constrain = settings.mode is not ParallelMode.STAND_ALONE
+        run = make_evaluator(graph, plan, mesh, constrain=constrain)
+        flat_in = tuple(named_sharding(mesh, s) for s in plan.input_specs)
+        flat_out = [named_sharding(mesh, s) for s in plan.output_specs]
+        static = set(self._static)
+        in_tree, out_tree = program.in_tree, program.out_tree
+
+        def wrapped(*args: Any) -> Any:
+            dyn = tuple(a for i, a in enumerate(args) if i not in static)
+            outs = run(*jax.tree.leaves(dyn))
+            return jax.tree.unflatten(out_tree, outs)
+
+        wrapped.__name__ = getattr(self._fn, "__name__", "parallelized")
+        in_shardings = tuple(jax.tree.unflatten(in_tree, flat_in))
+        out_shardings = jax.tree.unflatten(out_tree, flat_out)
+        jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
+                         static_argnums=tuple(self._static), donate_argnums=tuple(self._donate))
+        return jitted, flat_in
+
+
+def _constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]:
+    """``with_sharding_constraint`` in the user's function (or from ``jaxpar.shard``) pins."""
+    pins = []
+    graph = space.graph
+    for node in graph.nodes:
+        if node.kind != "op" or node.name != "sharding_constraint":
+            continue
+        sharding = node.eqn.params["sharding"]
+        smesh = getattr(sharding, "mesh", None)
+        if smesh is None or tuple(smesh.axis_names) != mesh.names or \
+                tuple(smesh.devices.shape) != mesh.sizes:
+            raise StrategyError(
+                f"{api}: the sharding constraint at {node.source} uses mesh "
+                f"{MeshShape.of(smesh) if smesh is not None else sharding}, but the program runs "
+                f"on mesh {mesh}. Build its NamedSharding on the same mesh, or use "
+                f"jaxpar.shard inside the function.")
+        if node.eqn.params.get("unconstrained_dims"):
+            continue
+        spec = Spec.from_partition_spec(sharding.spec, len(graph.values[node.outputs[0]].shape))
+        strategy = strategy_for_specs(space.rule(node.id), {("in", 0): spec, ("out", 0): spec},
+                                      mesh)
+        if strategy is not None:
+            pins.append(Pin(node.id, strategy, "shard"))
+    return pins
+
+
+def _mode(mode: Any) -> ParallelMode:
+    try:
+        return ParallelMode(str(mode.value if isinstance(mode, ParallelMode) else mode))
+    except ValueError:
+        raise ContextError(f"jaxpar: parallel_mode {mode!r} is not one of "
+                           f"{[m.value for m in ParallelMode]}.") from None
+
+
+def _argnums(x: Sequence[int] | int | None) -> tuple[int, ...] | None:
+    if x is None:
+        return None
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+def _signature(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _signature_key(args: tuple, static: Sequence[int]) -> Any:
+    parts = []
+    for i, a in enumerate(args):
+        if i in static:
+            parts.append(("static", a))
+            continue
+        leaves, tree = jax.tree.flatten(a)
+        parts.append((tree, tuple(_aval_key(x) for x in leaves)))
+    return tuple(parts)
+
+
+def _aval_key(x: Any) -> Any:
+    shape = tuple(getattr(x, "shape", ()))
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = jax.numpy.asarray(x).dtype
+    return shape, str(dtype), bool(getattr(x, "weak_type", False))
+
+
+def _place(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+        except Exception:  # noqa: BLE001 - different device sets compare by moving
+            pass
+        return jax.device_put(x, sharding)
+    return x
+
+
+def parallelize(
+    fn: Callable,
+    *,
+    mesh: Mesh | None = None,
+    parallel_mode: str | ParallelMode | None = None,
+    search_mode: str | None = None,
+    in_strategy: Any = None,
+    out_strategy: Any = None,
+    hardware: HardwareProfile | None = None,
+    batch_argnums: Sequence[int] | int | None = None,
+    donate_argnums: Sequence[int] | int = (),
+    static_argnums: Sequence[int] | int = (),
+    parameter_plan: Mapping[str, Any] | None = None,
+) -> Parallelized:
+    """Transforms single-device ``fn`` into a sharded, jit-compiled program.
+
+    jaxpar traces ``fn`` to a jaxpr, chooses a layout for every operator (user pins, then
+    propagation or search per ``parallel_mode``), constrains every value to its layout and lets
+    XLA's SPMD partitioner insert the collectives.
+
+    Args:
+      fn: the function, written for one device.
+      mesh: the device mesh (see :func:`jaxpar.make_mesh`); default: the context's ``mesh``, else
+        one derived from slice-count strategies, else a 1-D mesh ``("devices",)``.
+      parallel_mode: ``"stand_alone"``, ``"data_parallel"``, ``"semi_auto_parallel"`` or
+        ``"auto_parallel"``; default: the context's.
+      search_mode: the search of ``auto_parallel``; default: the context's.
+      in_strategy: one strategy per positional argument (a slice-count tuple, ``PartitionSpec``,
+        ``jaxpar.Layout`` or ``None`` = free), or a tree of them matching the argument.
+      out_strategy: strategies for the result, in the same forms.
+      hardware: the :class:`HardwareProfile` the cost model prices; default: the context's, else
+        the CPU preset.
+      batch_argnums: arguments that carry the global batch (``data_parallel``); inferred when
+        omitted: arguments that come back as results are state, the others data.
+      donate_argnums: arguments whose buffers may be reused, as in ``jax.jit``.
+      static_argnums: arguments that are Python values, as in ``jax.jit``.
+      parameter_plan: ``{name or glob: strategy}`` for arrays named by their path, such as
+        ``{"params.w1": (1, 4)}`` or ``{"*.kernel": P(None, "mp")}``.
+
+    Returns:
+      A :class:`Parallelized`: call it like ``fn``; ``.lower(*args)`` gives the
+      ``jax.stages.Lowered`` and ``.plan(*args)`` the :class:`ShardingPlan`.  Plans are cached
+      per argument signature.
+
+    The equivalent by hand, for a Megatron MLP, would be ``jax.jit`` with ``in_shardings`` and a
+    ``with_sharding_constraint`` after every layer; jaxpar writes those for you:
+
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = make_mesh((2, 4), ("dp", "mp"))
+    >>> def mlp(x, w1, w2):
+    ...     return jnp.maximum(x @ w1, 0) @ w2
+    >>> f = parallelize(mlp, mesh=mesh, parallel_mode="semi_auto_parallel",
+    ...                 in_strategy=((2, 1), (1, 4), (4, 1)))
+    >>> x, w1, w2 = jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones((32, 16))
+    >>> f(x, w1, w2).shape
+    (8, 16)
+    >>> f.plan(x, w1, w2).output_layouts() == {"out": P("dp")}
+    True
+    """
+    return Parallelized(fn, mesh=mesh, parallel_mode=parallel_mode, search_mode=search_mode,
+                        in_strategy=in_strategy, out_strategy=out_strategy, hardware=hardware,
+                        batch_argnums=batch_argnums, donate_argnums=donate_argnums,
+                        static_argnums=static_argnums, parameter_plan=parameter_plan)

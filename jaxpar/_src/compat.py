@@ -1,0 +1,72 @@
+"""The one place where jaxpar touches JAX internals or papers over version differences.
+
+Everything else uses public APIs (``jax.extend.core``, ``jax.sharding``, ``jax.lax``).  What lives
+here: source locations of jaxpr equations, re-binding an equation's primitive exactly as
+``jax.core.eval_jaxpr`` does, and telling JAX's traceback filter to skip jaxpar's own frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+
+try:  # JAX 0.4.30+ keeps this module at the same path through 0.11.
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover - a future JAX that moved it
+    _siu = None
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+if _siu is not None and hasattr(_siu, "register_exclusion"):
+    # Source lines in plans and errors should point at the user's code, not at jaxpar.
+    _siu.register_exclusion(_PACKAGE_DIR)
+
+
+def source_location(eqn: jcore.JaxprEqn) -> str:
+    """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"?"``."""
+    if _siu is None:
+        return "?"
+    try:
+        frame = _siu.user_frame(eqn.source_info.traceback)
+    except Exception:  # noqa: BLE001 - a missing location must never break planning
+        frame = None
+    if frame is None:
+        return "?"
+    name = os.path.basename(frame.file_name)
+    return f"{name}:{frame.start_line} ({frame.function_name})"
+
+
+def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list."""
+    prim = eqn.primitive
+    got = prim.get_bind_params(eqn.params) if hasattr(prim, "get_bind_params") else eqn.params
+    # JAX < 0.7 returned (subfuns, params); newer versions return the params alone.
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        subfuns, bind_params = got
+    else:
+        subfuns, bind_params = [], got
+    with _eqn_context(eqn):
+        out = prim.bind(*subfuns, *invals, **bind_params)
+    return list(out) if prim.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def _eqn_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None) if ctx is not None else None
+    user_ctx = contextlib.nullcontext()
+    if _siu is not None and hasattr(_siu, "user_context"):
+        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        user_ctx = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    with manager if manager is not None else contextlib.nullcontext(), user_ctx:
+        yield
+
+
+def is_tracer(x: Any) -> bool:
+    """True for values seen while JAX traces a function."""
+    return isinstance(x, jax.core.Tracer)

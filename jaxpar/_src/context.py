@@ -1,0 +1,204 @@
+"""The MindSpore-style auto-parallel context: a global setting that is also a ``with`` block.
+
+``set_auto_parallel_context(...)`` changes the process-wide defaults, ``auto_parallel_context(...)``
+overrides them for a block (per thread) and restores them on exit, and explicit arguments to
+``parallelize``/``shard`` always win over both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxpar._src.errors import ContextError
+from jaxpar._src.hardware import HardwareProfile
+
+
+class ParallelMode(str, enum.Enum):
+    """How ``parallelize`` decides shardings (MindSpore's ``ParallelMode``).
+
+    >>> ParallelMode("semi_auto_parallel") is ParallelMode.SEMI_AUTO_PARALLEL
+    True
+    """
+
+    STAND_ALONE = "stand_alone"  # one device, nothing sharded
+    DATA_PARALLEL = "data_parallel"  # batch arguments split over all devices, the rest replicated
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"  # user strategies, the rest propagated
+    AUTO_PARALLEL = "auto_parallel"  # searched with search_mode
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "optimal")
+AVAILABLE_SEARCH_MODES = ("sharding_propagation",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """The options of the auto-parallel context; see :func:`set_auto_parallel_context`."""
+
+    parallel_mode: ParallelMode = ParallelMode.STAND_ALONE  # how shardings are decided
+    search_mode: str = "sharding_propagation"  # the search used by auto_parallel
+    device_num: int | None = None  # devices to use; None = all of jax.devices()
+    global_rank: int = 0  # this process's rank (set by jaxpar.init in multi-process runs)
+    gradients_mean: bool = True  # data_parallel: mean (True) or sum (False) of device gradients
+    mesh: Mesh | None = None  # the device mesh; None = derived from strategies or device_num
+    hardware: HardwareProfile | None = None  # what the cost model prices; None = CPU preset
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ParallelContext)}
+
+
+def _validate(key: str, value: Any) -> Any:
+    if key not in _FIELDS:
+        raise ContextError(
+            f"jaxpar: unknown auto-parallel context option {key!r}. Known options: "
+            f"{', '.join(sorted(_FIELDS))}.")
+    if key == "parallel_mode":
+        try:
+            return ParallelMode(str(value))
+        except ValueError:
+            raise ContextError(
+                f"jaxpar: parallel_mode {value!r} is not one of "
+                f"{[m.value for m in ParallelMode]}.") from None
+    if key == "search_mode":
+        if value not in SEARCH_MODES:
+            raise ContextError(
+                f"jaxpar: search_mode {value!r} is not one of {list(SEARCH_MODES)}.")
+        return value
+    if key == "device_num" and value is not None:
+        if not isinstance(value, int) or value < 1:
+            raise ContextError(f"jaxpar: device_num must be a positive int, got {value!r}.")
+    if key == "global_rank" and (not isinstance(value, int) or value < 0):
+        raise ContextError(f"jaxpar: global_rank must be a non-negative int, got {value!r}.")
+    if key == "gradients_mean" and not isinstance(value, bool):
+        raise ContextError(f"jaxpar: gradients_mean must be True or False, got {value!r}.")
+    if key == "mesh" and value is not None and not isinstance(value, Mesh):
+        raise ContextError(
+            f"jaxpar: mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), got {value!r}.")
+    if key == "hardware" and value is not None and not isinstance(value, HardwareProfile):
+        raise ContextError(
+            f"jaxpar: hardware must be a jaxpar.HardwareProfile, got {value!r}.")
+    return value
+
+
+_base = ParallelContext()
+_local = threading.local()
+
+
+def current_context() -> ParallelContext:
+    """The context in force here: the innermost ``with`` block, else the global settings."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _base
+
+
+def set_auto_parallel_context(**kwargs: Any) -> None:
+    """Sets auto-parallel options for the whole process (MindSpore's function of that name).
+
+    Options: ``parallel_mode`` (a :class:`ParallelMode` or its string), ``search_mode``,
+    ``device_num``, ``global_rank``, ``gradients_mean``, ``mesh``, ``hardware``.
+
+    ``gradients_mean`` defaults to ``True`` here, unlike MindSpore: a JAX program sees the global
+    batch, so the mean is what single-device training computes.
+
+    >>> set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    >>> get_auto_parallel_context("parallel_mode")
+    <ParallelMode.SEMI_AUTO_PARALLEL: 'semi_auto_parallel'>
+    >>> reset_auto_parallel_context()
+    """
+    global _base
+    updates = {k: _validate(k, v) for k, v in kwargs.items()}
+    _base = dataclasses.replace(_base, **updates)
+    stack = getattr(_local, "stack", None)
+    if stack:  # inside a with-block the block's values shadow the globals; update both
+        stack[-1] = dataclasses.replace(stack[-1], **updates)
+
+
+def get_auto_parallel_context(attr_key: str) -> Any:
+    """One option's current value; raises ``ContextError`` for an unknown key."""
+    if attr_key not in _FIELDS:
+        _validate(attr_key, None)
+    return getattr(current_context(), attr_key)
+
+
+def reset_auto_parallel_context() -> None:
+    """Restores every option to its default."""
+    global _base
+    _base = ParallelContext()
+
+
+@contextlib.contextmanager
+def auto_parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
+    """Overrides options inside a ``with`` block (this thread only) and restores them after.
+
+    >>> with auto_parallel_context(parallel_mode="data_parallel") as ctx:
+    ...     ctx.parallel_mode.value
+    'data_parallel'
+    >>> get_auto_parallel_context("parallel_mode").value
+    'stand_alone'
+    """
+    updates = {k: _validate(k, v) for k, v in kwargs.items()}
+    ctx = dataclasses.replace(current_context(), **updates)
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoParameters:
+    """Search parameters (MindSpore's ``set_algo_parameters``)."""
+
+    fully_use_devices: bool = True  # auto search: only strategies that use every device
+    elementwise_op_strategy_follow: bool = False  # elementwise ops copy their neighbour
+
+
+_algo = AlgoParameters()
+_ALGO_FIELDS = {f.name for f in dataclasses.fields(AlgoParameters)}
+
+
+def set_algo_parameters(**kwargs: Any) -> None:
+    """Sets search parameters; unknown names raise ``ContextError``.
+
+    >>> set_algo_parameters(fully_use_devices=False)
+    >>> get_algo_parameters("fully_use_devices")
+    False
+    >>> reset_algo_parameters()
+    """
+    global _algo
+    for key, value in kwargs.items():
+        if key not in _ALGO_FIELDS:
+            raise ContextError(
+                f"jaxpar: unknown algorithm parameter {key!r}. Known: "
+                f"{', '.join(sorted(_ALGO_FIELDS))}.")
+        if not isinstance(value, bool):
+            raise ContextError(f"jaxpar: algorithm parameter {key} must be a bool, got {value!r}.")
+    _algo = dataclasses.replace(_algo, **kwargs)
+
+
+def get_algo_parameters(attr_key: str) -> Any:
+    if attr_key not in _ALGO_FIELDS:
+        raise ContextError(
+            f"jaxpar: unknown algorithm parameter {attr_key!r}. Known: "
+            f"{', '.join(sorted(_ALGO_FIELDS))}.")
+    return getattr(_algo, attr_key)
+
+
+def reset_algo_parameters() -> None:
+    global _algo
+    _algo = AlgoParameters()
+
+
+def algo_parameters() -> AlgoParameters:
+    return _algo

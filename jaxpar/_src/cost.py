@@ -1,0 +1,157 @@
+"""The cost model shared by every search: compute, communication and memory per device.
+
+Collectives are priced with the alpha-beta model per mesh axis (``HardwareProfile``): a ring
+collective over ``n`` devices takes ``(n - 1)`` steps of latency plus its wire bytes over the
+slowest link of the group.  Wire bytes per device:
+
+* all-reduce of ``S`` bytes: ``2 (n - 1) / n * S``;
+* all-gather to ``S`` bytes, reduce-scatter from ``S`` bytes: ``(n - 1) / n * S``;
+* all-to-all of ``S`` bytes: ``(n - 1) / n * S``.
+
+A layout change (an edge whose two ends disagree) is decomposed per mesh axis, as MindSpore's
+redistribution does: axes only the target has are local slices (free), axes that move to another
+dimension are an all-to-all, axes only the source has are gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jaxpar._src.graph import itemsize
+from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.rules.factors import FactorRule, OpStrategy
+from jaxpar._src.spec import MeshShape, Spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cost:
+    """Per-device cost terms of one operator or edge (already multiplied by loop trips)."""
+
+    flops: float = 0.0  # floating-point operations on one device
+    comm_bytes: float = 0.0  # bytes one device sends over links
+    comm_time: float = 0.0  # seconds of collectives (alpha-beta)
+    memory: float = 0.0  # bytes of the operands and results one device holds
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.comm_bytes + other.comm_bytes,
+                    self.comm_time + other.comm_time, self.memory + other.memory)
+
+    def scaled(self, w: float) -> Cost:
+        return Cost(self.flops * w, self.comm_bytes * w, self.comm_time * w, self.memory)
+
+    def time(self, hw: HardwareProfile) -> float:
+        """Simulated seconds: compute at the device's FLOP rate plus collectives."""
+        return self.flops / hw.flops_per_s + self.comm_time
+
+
+ZERO = Cost()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One predicted collective."""
+
+    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all"
+    axes: tuple[str, ...]
+    nbytes: float  # payload: all-reduce size, gathered size, scattered input size
+    wire_bytes: float  # what one device sends
+    time: float
+
+
+class CostModel:
+    """Prices strategies and layout changes on one mesh with one hardware profile."""
+
+    def __init__(self, mesh: MeshShape, hardware: HardwareProfile) -> None:
+        self.mesh = mesh
+        self.hw = hardware
+
+    # -- collectives --------------------------------------------------------------------------
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
+        axes = tuple(axes)
+        n = self.mesh.product(axes)
+        if n <= 1 or nbytes <= 0:
+            return Collective(kind, axes, 0.0, 0.0, 0.0)
+        factor = 2.0 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        wire = factor * nbytes
+        bandwidth = min(self.hw.bandwidth(a, self.mesh) for a in axes)
+        latency = max(self.hw.latency(a, self.mesh) for a in axes)
+        steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
+        return Collective(kind, axes, float(nbytes), wire, steps * latency + wire / bandwidth)
+
+    # -- edges --------------------------------------------------------------------------------
+    def redistribution(self, src: Spec, dst: Spec, shape: tuple[int, ...], dtype: Any
+                       ) -> tuple[Collective, ...]:
+        """The collectives that turn layout ``src`` into ``dst``; empty when nothing moves."""
+        if src == dst:
+            return ()
+        return _redistribution(src, dst, shape, itemsize(dtype), self.mesh, self.hw)
+
+    def edge_cost(self, src: Spec, dst: Spec, shape: tuple[int, ...], dtype: Any,
+                  weight: float = 1.0) -> Cost:
+        colls = self.redistribution(src, dst, shape, dtype)
+        if not colls:
+            return ZERO
+        return Cost(comm_bytes=weight * sum(c.wire_bytes for c in colls),
+                    comm_time=weight * sum(c.time for c in colls))
+
+    # -- operators ----------------------------------------------------------------------------
+    def op_collectives(self, strategy: OpStrategy, out_shapes: Sequence[tuple[int, ...]],
+                       out_dtypes: Sequence[Any]) -> tuple[Collective, ...]:
+        """The all-reduces that combine partial results of a split reduction factor."""
+        if not strategy.partial:
+            return ()
+        axes = tuple(a for a, _ in strategy.partial)
+        out = []
+        for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
+            nbytes = math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
+            out.append(self.collective("all-reduce", nbytes, axes))
+        return tuple(out)
+
+    def op_cost(self, rule: FactorRule, strategy: OpStrategy,
+                in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any],
+                out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
+                weight: float = 1.0) -> Cost:
+        split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
+        flops = rule.flops / split
+        colls = self.op_collectives(strategy, out_shapes, out_dtypes)
+        memory = 0.0
+        for spec, shape, dtype in zip(strategy.in_specs, in_shapes, in_dtypes, strict=True):
+            memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
+        for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
+            memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
+        return Cost(flops * weight, weight * sum(c.wire_bytes for c in colls),
+                    weight * sum(c.time for c in colls), memory)
+
+
+@functools.lru_cache(maxsize=65536)
+def _redistribution(src: Spec, dst: Spec, shape: tuple[int, ...], item: int, mesh: MeshShape,
+                    hw: HardwareProfile) -> tuple[Collective, ...]:
+    model = CostModel(mesh, hw)
+    sliced, moved, gathered = [], [], []
+    for axis in mesh.names:
+        s, d = src.dim_of(axis), dst.dim_of(axis)
+        if s is None and d is None:
+            continue
+        if s is not None and s == d:
+            ps, pd = src.dims[s], dst.dims[d]
+            if ps[: ps.index(axis) + 1] == pd[: pd.index(axis) + 1]:
+                continue
+            moved.append(axis)
+        elif s is None:
+            sliced.append(axis)
+        elif d is None:
+            gathered.append(axis)
+        else:
+            moved.append(axis)
+    shard = math.prod(shape) * item / mesh.product(src.axes)
+    shard /= mesh.product(sliced)
+    out: list[Collective] = []
+    if moved:
+        out.append(model.collective("all-to-all", shard, moved))
+    if gathered:
+        out.append(model.collective("all-gather", shard * mesh.product(gathered), gathered))
+    return tuple(c for c in out if c.wire_bytes > 0)

@@ -1,0 +1,113 @@
+"""``data_parallel`` mode: which arguments carry the batch, their layouts, and gradient sums.
+
+A JAX program sees the global batch, so a loss that averages over it already has gradients equal
+to the mean of the per-device gradients (MindSpore's ``gradients_mean=True``, jaxpar's default).
+With ``gradients_mean=False`` MindSpore sums the per-device gradients instead, which is the mean
+times the data-parallel degree.  jaxpar reproduces that exactly, and only for gradients: the
+replicated arguments enter the function through an identity whose derivative is multiplied by
+the degree, so every gradient taken inside the function with respect to them is scaled, while
+forward values (losses, batch statistics) are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar._src.errors import PlanError, StrategyError
+from jaxpar._src.spec import MeshShape, Spec
+from jaxpar._src.trace import TracedProgram
+
+
+def _sig(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def infer_batch_argnums(args: Sequence[Any], out_shapes: Any, static: Sequence[int],
+                        names: Sequence[str], *, api: str) -> tuple[int, ...]:
+    """Arguments that do not come back as results: the data of a state-threading step.
+
+    Raises:
+      PlanError: when the function threads no state (or only state), so the batch cannot be
+        told apart; pass ``batch_argnums``.
+    """
+    outs = out_shapes if isinstance(out_shapes, (tuple, list)) else (out_shapes,)
+    returned = {_sig(o) for o in outs}
+    dyn = [i for i in range(len(args)) if i not in static]
+    state = [i for i in dyn if _sig(jax.tree.map(_shape_of, args[i])) in returned]
+    data = tuple(i for i in dyn if i not in state)
+    if not state or not data:
+        raise PlanError(
+            f"{api}: cannot tell which arguments carry the batch. jaxpar infers it for a train "
+            f"step that returns its state (arguments returned unchanged in structure are "
+            f"state, the rest data), but here "
+            f"{'no argument comes back as a result' if not state else 'every argument does'}. "
+            f"Pass batch_argnums=..., e.g. batch_argnums=({dyn[-1] if dyn else 0},) for "
+            f"'{names[dyn[-1]] if dyn else 'x'}'.")
+    return data
+
+
+def _shape_of(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def batch_specs(program: TracedProgram, batch: Sequence[int], mesh: MeshShape,
+                in_shapes: Sequence[tuple[int, ...]], *, api: str) -> list[Spec]:
+    """Dimension 0 of every batch array split over all mesh axes; everything else replicated."""
+    specs = []
+    n = mesh.num_devices
+    for path, arg, shape in zip(program.in_paths, program.arg_index, in_shapes, strict=True):
+        if arg in batch and shape:
+            if shape[0] % n:
+                raise StrategyError(
+                    f"{api}: data_parallel splits the batch dimension of '{path}' "
+                    f"(shape {list(shape)}) over all {n} devices of mesh {mesh}, but {shape[0]} "
+                    f"is not divisible by {n}. Use a global batch size that is a multiple of "
+                    f"{n}, or drop the remainder.")
+            specs.append(Spec((mesh.names,) + ((),) * (len(shape) - 1)))
+        else:
+            specs.append(Spec.replicated(len(shape)))
+    return specs
+
+
+def scale_gradients(fn: Callable, args: Sequence[Any], batch: Sequence[int],
+                    static: Sequence[int], degree: int) -> Callable:
+    """``fn`` with its non-batch floating arguments passed through :func:`_grad_scale`."""
+    keep = set(batch) | set(static)
+
+    def scaled(*call_args: Any) -> Any:
+        new = [a if i in keep else jax.tree.map(lambda x: _grad_scale(x, float(degree)), a)
+               for i, a in enumerate(call_args)]
+        return fn(*new)
+
+    scaled.__name__ = getattr(fn, "__name__", "fn")
+    return scaled
+
+
+def _grad_scale(x: Any, factor: float) -> Any:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        return x
+    return _scale_cotangent(x, factor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_cotangent(x: Any, factor: float) -> Any:
+    return x
+
+
+def _fwd(x: Any, factor: float) -> tuple[Any, None]:
+    return x, None
+
+
+def _bwd(factor: float, _: None, g: Any) -> tuple[Any]:
+    return (g * jnp.asarray(factor, dtype=g.dtype),)
+
+
+_scale_cotangent.defvjp(_fwd, _bwd)

@@ -1,0 +1,147 @@
+"""The operator graph: what tracing produces and every later stage reads.
+
+Nodes are operators (one per jaxpr equation after inlining nested calls) plus the pseudo-operators
+that make a function's boundary and control flow visible to the search:
+
+* ``input`` / ``const``: a flattened argument or closed-over constant (one output value);
+* ``output``: a flattened result (one input, no outputs);
+* ``op``: a primitive application, with its equation for lowering;
+* ``enter`` / ``exit``: values crossing into / out of a ``scan``, ``while`` or ``cond`` body.
+  A loop carry is an ``enter`` node with two inputs (the initial value and the body's next value,
+  a back edge), which is how a carry's layout stays the same around the loop;
+* ``control``: the ``scan``/``while``/``cond`` itself.  It is not searched; lowering uses it to
+  rebuild the loop around the constrained body.
+
+Values are tensors, each produced by exactly one node; literals in equations are :class:`Const`
+operands and carry no edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+NODE_KINDS = ("input", "const", "output", "op", "enter", "exit", "control")
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element; PRNG key arrays count their two uint32 words."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Const:
+    """A literal operand of an equation (no producer, never sharded)."""
+
+    value: Any
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+Operand = int | Const  # a value id, or a literal
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Value:
+    """A tensor: produced by output ``index`` of node ``producer``."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: Any
+    producer: int
+    index: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Node:
+    """One operator or pseudo-operator; see the module docstring for the kinds."""
+
+    id: int
+    kind: str
+    name: str  # primitive name, or the pseudo-operator's role ("carry", "xs", ...)
+    inputs: tuple[Operand, ...]
+    outputs: tuple[int, ...]
+    source: str = "?"  # "file.py:12 (fn)" of the user's code
+    weight: float = 1.0  # how many times it runs per call (loop trip counts)
+    region: int | None = None  # the enclosing control node, if any
+    eqn: Any = None  # the jaxpr equation (op and control nodes)
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    label: str = ""  # argument path for inputs/outputs, e.g. "params.w1"
+
+    def __repr__(self) -> str:
+        return f"Node({self.id}, {self.kind}:{self.name}, in={self.inputs}, out={self.outputs})"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpGraph:
+    """The traced program.
+
+    Attributes:
+      nodes: every node; ``nodes[i].id == i``.
+      values: every value; ``values[i].id == i``.
+      order: top-level node ids in evaluation order (control nodes stand for their bodies).
+      inputs: ids of the ``input`` nodes, in flattened-argument order.
+      outputs: ids of the ``output`` nodes, in flattened-result order.
+      consumers: per value id, the ``(node id, input index)`` pairs that read it.
+    """
+
+    nodes: tuple[Node, ...]
+    values: tuple[Value, ...]
+    order: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    consumers: tuple[tuple[tuple[int, int], ...], ...]
+
+    def searchable(self) -> Iterator[Node]:
+        """Nodes that get a strategy (everything but control nodes)."""
+        return (n for n in self.nodes if n.kind != "control")
+
+    def operand_shape(self, operand: Operand) -> tuple[int, ...]:
+        return operand.shape if isinstance(operand, Const) else self.values[operand].shape
+
+    def operand_dtype(self, operand: Operand) -> Any:
+        return operand.dtype if isinstance(operand, Const) else self.values[operand].dtype
+
+    def neighbours(self, node_id: int) -> Iterator[tuple[int, int, int, int]]:
+        """Edges touching a node, as ``(producer, out index, consumer, in index)``."""
+        node = self.nodes[node_id]
+        for i, operand in enumerate(node.inputs):
+            if isinstance(operand, int):
+                v = self.values[operand]
+                yield v.producer, v.index, node_id, i
+        for j, vid in enumerate(node.outputs):
+            for consumer, i in self.consumers[vid]:
+                yield node_id, j, consumer, i
+
+    def edges(self) -> Iterator[tuple[int, int, int, int]]:
+        for node in self.nodes:
+            for i, operand in enumerate(node.inputs):
+                if isinstance(operand, int):
+                    v = self.values[operand]
+                    yield v.producer, v.index, node.id, i
+
+    def count(self, kind: str = "op") -> int:
+        return sum(1 for n in self.nodes if n.kind == kind)
+
+
+def build_consumers(nodes: Sequence[Node], num_values: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    table: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
+    for node in nodes:
+        for i, operand in enumerate(node.inputs):
+            if isinstance(operand, int):
+                table[operand].append((node.id, i))
+    return tuple(tuple(c) for c in table)

@@ -1,0 +1,189 @@
+"""Factor rules: one description of an operator from which all its strategies follow.
+
+As in Shardy's sharding rules, an operator is described by *factors*, the loop dimensions of its
+computation.  Each tensor dimension of an operand or result is one factor, a compound of factors
+(``reshape``: one dimension that is several factors, major to minor), or none (it must stay
+whole).  A strategy assigns mesh axes to factors; every tensor dimension then splits over the
+axes of its factors.  Consequences, for free:
+
+* a factor that appears in operands but not in results is a *reduction*: splitting it leaves
+  partial results that an all-reduce (sum, max, ...) combines;
+* a factor that only a result has (``iota``, a new ``broadcast_in_dim`` dimension) splits the
+  work without any communication;
+* a *blocked* factor may not be split (a sort axis, a concatenation axis, a spatial convolution
+  dimension); the rule stays correct by never offering a strategy that splits it.
+
+>>> b = RuleBuilder()
+>>> m, n, k = b.factor(8), b.factor(16), b.factor(4)
+>>> rule = b.build(operands=[(m, k), (k, n)], results=[(m, n)], reductions={k: "sum"},
+...                flops=2 * 8 * 16 * 4)
+>>> len(enumerate_strategies(rule, MeshShape(("x",), (2,))))
+4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Mapping, Sequence
+
+from jaxpar._src.spec import MeshShape, Spec
+
+Dim = tuple[int, ...]  # the factors of one tensor dimension, major to minor; () = none
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorRule:
+    """How an operator's tensor dimensions share loop factors (see module docstring)."""
+
+    sizes: tuple[int, ...]  # size of each factor
+    operands: tuple[tuple[Dim, ...], ...]  # per operand, per dimension
+    results: tuple[tuple[Dim, ...], ...]  # per result, per dimension
+    reductions: tuple[tuple[int, str], ...] = ()  # (factor, "sum" | "max" | ...) pairs
+    blocked: frozenset[int] = frozenset()  # factors that must not be split
+    flops: float = 0.0  # global floating-point operations of one application
+
+    @property
+    def reduction_kinds(self) -> dict[int, str]:
+        return dict(self.reductions)
+
+    def splittable(self) -> tuple[int, ...]:
+        return tuple(f for f, size in enumerate(self.sizes)
+                     if size > 1 and f not in self.blocked)
+
+
+class RuleBuilder:
+    """Allocates factors and assembles a :class:`FactorRule`."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.blocked: set[int] = set()
+
+    def factor(self, size: int, *, blocked: bool = False) -> int:
+        self.sizes.append(int(size))
+        fid = len(self.sizes) - 1
+        if blocked:
+            self.blocked.add(fid)
+        return fid
+
+    def factors(self, shape: Sequence[int]) -> list[int]:
+        return [self.factor(s) for s in shape]
+
+    def build(self, operands: Sequence[Sequence[int | Dim | None]],
+              results: Sequence[Sequence[int | Dim | None]], *,
+              reductions: Mapping[int, str] | None = None, flops: float = 0.0) -> FactorRule:
+        def dims(t: Sequence[int | Dim | None]) -> tuple[Dim, ...]:
+            out = []
+            for d in t:
+                if d is None:
+                    out.append(())
+                elif isinstance(d, int):
+                    out.append((d,))
+                else:
+                    out.append(tuple(d))
+            return tuple(out)
+
+        ops = tuple(dims(t) for t in operands)
+        res = tuple(dims(t) for t in results)
+        blocked = set(self.blocked)
+        # Only the major (first non-trivial) factor of a compound dimension may be split: a
+        # split minor factor would give every device a strided, non-contiguous piece.
+        for tensor in ops + res:
+            for d in tensor:
+                real = [f for f in d if self.sizes[f] > 1]
+                blocked.update(real[1:])
+        return FactorRule(tuple(self.sizes), ops, res,
+                          tuple(sorted((reductions or {}).items())), frozenset(blocked),
+                          float(flops))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpStrategy:
+    """One way to run an operator: mesh axes per factor and the layouts that follow."""
+
+    factor_axes: tuple[tuple[str, ...], ...]
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    partial: tuple[tuple[str, str], ...] = ()  # (mesh axis, reduction) left to combine
+
+    @property
+    def axes_used(self) -> int:
+        return sum(len(a) for a in self.factor_axes)
+
+
+def specs_for(rule: FactorRule, factor_axes: Sequence[tuple[str, ...]]) -> OpStrategy:
+    def spec(tensor: tuple[Dim, ...]) -> Spec:
+        return Spec(tuple(tuple(a for f in d for a in factor_axes[f]) for d in tensor))
+
+    kinds = rule.reduction_kinds
+    partial = tuple((a, kinds[f]) for f in sorted(kinds) for a in factor_axes[f])
+    return OpStrategy(tuple(tuple(a) for a in factor_axes),
+                      tuple(spec(t) for t in rule.operands),
+                      tuple(spec(t) for t in rule.results), partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def enumerate_strategies(rule: FactorRule, mesh: MeshShape) -> tuple[OpStrategy, ...]:
+    """Every valid strategy of ``rule`` on ``mesh``; the replicated one comes first.
+
+    Each mesh axis goes to at most one splittable factor; a factor's axes must multiply to a
+    divisor of its size; a factor with several axes is offered in every axis order.
+    """
+    choices = rule.splittable()
+    per_axis = [(None,) + choices for _ in mesh.names]
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    out: list[OpStrategy] = []
+    for pick in itertools.product(*per_axis):
+        groups: dict[int, list[str]] = {}
+        for axis, f in zip(mesh.names, pick, strict=True):
+            if f is not None:
+                groups.setdefault(f, []).append(axis)
+        if any(rule.sizes[f] % mesh.product(axes) for f, axes in groups.items()):
+            continue
+        multi = [f for f, axes in groups.items() if len(axes) > 1]
+        orders = [list(itertools.permutations(groups[f])) for f in multi]
+        for combo in itertools.product(*orders):
+            assign = {f: tuple(axes) for f, axes in groups.items()}
+            for f, order in zip(multi, combo, strict=True):
+                assign[f] = tuple(order)
+            key = tuple(assign.get(f, ()) for f in range(len(rule.sizes)))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(specs_for(rule, key))
+    out.sort(key=lambda s: s.axes_used)
+    return tuple(out)
+
+
+def strategy_for_specs(rule: FactorRule, specs: Mapping[tuple[str, int], Spec],
+                       mesh: MeshShape) -> OpStrategy | None:
+    """The strategy whose layouts equal ``specs`` (keys ``("in"|"out", index)``), if one exists.
+
+    Used for identity-like pseudo-operators whose layout is given (pins, boundaries).
+    """
+    assign: dict[int, tuple[str, ...]] = {}
+    for (side, idx), spec in specs.items():
+        tensor = (rule.operands if side == "in" else rule.results)[idx]
+        if len(tensor) != spec.ndim:
+            return None
+        for dim, axes in zip(tensor, spec.dims, strict=True):
+            real = [f for f in dim if rule.sizes[f] > 1]
+            if not real:
+                if axes:
+                    return None
+                continue
+            f = real[0]
+            if assign.setdefault(f, axes) != axes:
+                return None
+    for f, axes in assign.items():
+        if axes and (f in rule.blocked or rule.sizes[f] % mesh.product(axes) != 0):
+            return None
+    factor_axes = tuple(assign.get(f, ()) for f in range(len(rule.sizes)))
+    strategy = specs_for(rule, factor_axes)
+    for (side, idx), spec in specs.items():
+        got = (strategy.in_specs if side == "in" else strategy.out_specs)[idx]
+        if got != spec:
+            return None
+    return strategy
+

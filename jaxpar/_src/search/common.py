@@ -1,0 +1,78 @@
+"""What every search shares: candidate strategies and costs per node, pins, and the result."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from jaxpar._src.cost import Cost, CostModel
+from jaxpar._src.graph import Node, OpGraph
+from jaxpar._src.rules import FactorRule, OpStrategy, enumerate_strategies, op_view, rule_for
+from jaxpar._src.spec import Spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pin:
+    """A strategy fixed by the user (or by the mode); no search may change it."""
+
+    node: int
+    strategy: OpStrategy
+    origin: str  # "in_strategy", "out_strategy", "shard", "parameter_plan", "data_parallel", ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """A search's answer: a strategy and its origin for every searchable node."""
+
+    strategies: Mapping[int, OpStrategy]
+    origins: Mapping[int, str]
+
+
+class SearchSpace:
+    """Lazily computed rules, candidates and costs of a graph on one mesh."""
+
+    def __init__(self, graph: OpGraph, model: CostModel) -> None:
+        self.graph = graph
+        self.model = model
+        self._rules: dict[int, FactorRule] = {}
+        self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
+
+    def rule(self, nid: int) -> FactorRule:
+        rule = self._rules.get(nid)
+        if rule is None:
+            rule = self._rules[nid] = rule_for(self.graph, self.graph.nodes[nid])
+        return rule
+
+    def candidates(self, nid: int) -> tuple[OpStrategy, ...]:
+        return enumerate_strategies(self.rule(nid), self.model.mesh)
+
+    def op_cost(self, nid: int, strategy: OpStrategy) -> Cost:
+        key = (nid, strategy)
+        cost = self._op_costs.get(key)
+        if cost is None:
+            node = self.graph.nodes[nid]
+            view = _shapes(self.graph, node)
+            cost = self._op_costs[key] = self.model.op_cost(
+                self.rule(nid), strategy, *view, weight=node.weight)
+        return cost
+
+    def edge_weight(self, producer: int, consumer: int) -> float:
+        """How often a layout change on this edge runs: once per run of the rarer end."""
+        return min(self.graph.nodes[producer].weight, self.graph.nodes[consumer].weight)
+
+    def edge_cost(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
+                  ) -> Cost:
+        value = self.graph.values[self.graph.nodes[producer].outputs[out_index]]
+        return self.model.edge_cost(src, dst, value.shape, value.dtype,
+                                    self.edge_weight(producer, consumer))
+
+
+def _shapes(graph: OpGraph, node: Node) -> tuple:
+    if node.kind == "op":
+        view = op_view(graph, node)
+        return view.in_shapes, view.in_dtypes, view.out_shapes, view.out_dtypes
+    ins = tuple(graph.operand_shape(o) for o in node.inputs)
+    in_dt = tuple(graph.operand_dtype(o) for o in node.inputs)
+    outs = tuple(graph.values[v].shape for v in node.outputs)
+    out_dt = tuple(graph.values[v].dtype for v in node.outputs)
+    return ins, in_dt, outs, out_dt

@@ -1,0 +1,143 @@
+"""Sharding propagation (MindSpore ``search_mode="sharding_propagation"``).
+
+Outward from every fixed node, in both directions along the edges.  As in MindSpore, an operator
+with several inputs waits until its inputs are decided: the next node decided is one whose
+producers are all decided (dataflow order), else one whose consumers all are, else the node
+discovered first (producers that no pin reaches, such as a broadcast literal or an unpinned
+argument, are not waited for: they follow their consumers).  Each node takes, among its candidate strategies, the one that is cheapest
+against all of its neighbours decided so far, compared in this order:
+
+1. the communication time of the layout changes on those edges (zero first);
+2. the number of edges whose layouts still differ (an exact match beats a free local slice);
+3. the node's own communication (partial sums to combine);
+4. the number of mesh axes it uses (follow the neighbours; never invent new splits);
+5. its per-device FLOPs, then the candidate order (deterministic).
+
+Fixed nodes are never changed.  Where two propagation fronts meet with different layouts, the
+edge keeps a layout change, which the plan reports with its cost.  Nodes no front reaches stay
+replicated.
+
+References: MindSpore ``graph_costmodel.cc`` (``StrategyPropagate``, ``BFS``, the waiting list
+of multi-input operators) and ``edge_costmodel.cc``
+(``GetNextOpSwcByPrevOpStrategyWithMiniComm``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from jaxpar._src.errors import PlanError
+from jaxpar._src.graph import OpGraph
+from jaxpar._src.rules import OpStrategy
+from jaxpar._src.search.common import Assignment, Pin, SearchSpace
+
+
+def propagate(space: SearchSpace, pins: Sequence[Pin], *, where: str = "jaxpar") -> Assignment:
+    """Runs sharding propagation from ``pins``; raises :class:`PlanError` without any pin."""
+    graph = space.graph
+    if not pins:
+        raise PlanError(
+            f"{where}: sharding propagation needs at least one fixed strategy, and none was "
+            f"given. Fix the layout of some tensors: in_strategy=/out_strategy= on "
+            f"jaxpar.parallelize, a jaxpar.shard(...) around a sub-computation, or "
+            f"jax.lax.with_sharding_constraint inside the function.")
+    strategies: dict[int, OpStrategy] = {}
+    origins: dict[int, str] = {}
+    for pin in pins:
+        strategies[pin.node] = pin.strategy
+        origins[pin.node] = pin.origin
+    producers, consumers = _dataflow(graph)
+    anchored = _anchored(list(strategies), consumers)
+    producers = {n: ps & anchored for n, ps in producers.items()}
+    discovered: dict[int, int] = {}
+    counter = itertools.count()
+    heap: list[tuple[int, int, int]] = []
+
+    def readiness(v: int) -> int:
+        if all(p in strategies for p in producers[v]):
+            return 0
+        if all(c in strategies for c in consumers[v]):
+            return 1
+        return 2
+
+    def discover(u: int) -> None:
+        for producer, _, consumer, _ in graph.neighbours(u):
+            v = consumer if producer == u else producer
+            if v in strategies or graph.nodes[v].kind == "control":
+                continue
+            if v not in discovered:
+                discovered[v] = next(counter)
+            heapq.heappush(heap, (readiness(v), discovered[v], v))
+
+    for u in sorted(strategies):
+        discover(u)
+    while heap:
+        cls, _, v = heapq.heappop(heap)
+        if v in strategies or cls != readiness(v):
+            continue  # decided already, or a fresher entry with a better class is queued
+        strategies[v] = best_response(space, v, strategies)
+        origins[v] = "propagated"
+        discover(v)
+    for node in graph.searchable():
+        if node.id not in strategies:
+            strategies[node.id] = space.candidates(node.id)[0]
+            origins[node.id] = "unreached"
+    return Assignment(strategies, origins)
+
+
+def _dataflow(graph: OpGraph) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """Producers and consumers per node, leaving out loop back edges and control nodes."""
+    producers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
+    consumers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
+    for producer, _, consumer, i in graph.edges():
+        node = graph.nodes[consumer]
+        if node.kind == "control" or producer == consumer:
+            continue
+        if node.kind == "enter" and node.name == "carry" and i == 1:
+            continue  # the back edge: deciding the carry must not wait for the loop body
+        producers[consumer].add(producer)
+        consumers[producer].add(consumer)
+    return producers, consumers
+
+
+def _anchored(pinned: Sequence[int], consumers: dict[int, set[int]]) -> set[int]:
+    """Nodes downstream of a pin.  Others (a broadcast literal, an unpinned argument) have no
+    layout of their own to wait for: they follow their consumers."""
+    seen = set(pinned)
+    work = list(pinned)
+    while work:
+        for c in consumers[work.pop()]:
+            if c not in seen:
+                seen.add(c)
+                work.append(c)
+    return seen
+
+
+def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) -> OpStrategy:
+    """The candidate of ``v`` that fits its decided neighbours best (module docstring order)."""
+    graph = space.graph
+    edges = []
+    for producer, j, consumer, i in graph.neighbours(v):
+        other = consumer if producer == v else producer
+        if other == v or other not in decided or graph.nodes[other].kind == "control":
+            continue
+        edges.append((producer, j, consumer, i, decided[other]))
+    best, best_key = None, None
+    for index, cand in enumerate(space.candidates(v)):
+        comm, mismatches = 0.0, 0
+        for producer, j, consumer, i, other in edges:
+            if producer == v:
+                src, dst = cand.out_specs[j], other.in_specs[i]
+            else:
+                src, dst = other.out_specs[j], cand.in_specs[i]
+            if src != dst:
+                mismatches += 1
+                comm += space.edge_cost(producer, j, src, consumer, dst).comm_time
+        own = space.op_cost(v, cand)
+        key = (comm, mismatches, own.comm_time, cand.axes_used, own.flops, index)
+        if best_key is None or key < best_key:
+            best, best_key = cand, key
+    assert best is not None  # the replicated strategy always exists
+    return best

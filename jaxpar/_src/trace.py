@@ -1,0 +1,355 @@
+"""Tracing a function to an :class:`OpGraph`.
+
+``jax.make_jaxpr`` gives the program; nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
+``checkpoint`` and ``closed_call`` bodies are inlined (the jaxpr is already differentiated, so
+their custom rules have done their work), while ``scan``, ``while`` and ``cond`` stay units whose
+bodies join the graph behind ``enter``/``exit`` pseudo-operators.  Dead equations are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from jaxpar._src.compat import source_location
+from jaxpar._src.graph import Const, Node, OpGraph, Operand, Value, build_consumers
+
+# Call-like primitives whose body is inlined, and where their body lives in ``eqn.params``.
+_INLINE = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+WHILE_TRIP_ESTIMATE = 1.0  # a while loop's trip count is unknown when planning
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedProgram:
+    """A traced function: its graph plus what is needed to call it with pytrees."""
+
+    graph: OpGraph
+    jaxpr: jcore.ClosedJaxpr
+    in_tree: Any  # treedef of the tuple of dynamic (non-static) positional arguments
+    out_tree: Any
+    in_paths: tuple[str, ...]  # per flattened input, e.g. "params.w1"
+    out_paths: tuple[str, ...]
+    arg_index: tuple[int, ...]  # per flattened input, which positional argument it came from
+    out_shapes: Any  # pytree of ShapeDtypeStruct
+
+
+def trace(fn: Callable, args: Sequence[Any], *, static_argnums: Sequence[int] = (),
+          arg_names: Sequence[str] | None = None) -> TracedProgram:
+    """Traces ``fn(*args)`` (abstractly: only shapes and dtypes are used)."""
+    static = set(static_argnums)
+    abstract = [a if i in static else jax.tree.map(_abstract, a) for i, a in enumerate(args)]
+    closed, out_shapes = jax.make_jaxpr(fn, static_argnums=tuple(static_argnums),
+                                        return_shape=True)(*abstract)
+    dyn = tuple(a for i, a in enumerate(args) if i not in static)
+    dyn_index = [i for i in range(len(args)) if i not in static]
+    leaves_with_path, in_tree = jax.tree_util.tree_flatten_with_path(dyn)
+    names = list(arg_names) if arg_names is not None else [f"arg{i}" for i in range(len(args))]
+    in_paths, arg_index = [], []
+    for path, _ in leaves_with_path:
+        pos = dyn_index[path[0].idx]
+        rest = dotted(path[1:])
+        in_paths.append(f"{names[pos]}.{rest}" if rest else names[pos])
+        arg_index.append(pos)
+    out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shapes)
+    out_paths = [f"out.{dotted(p)}" if p else "out" for p, _ in out_leaves]
+    graph = _Builder().build(closed, in_paths, out_paths)
+    return TracedProgram(graph, closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths),
+                         tuple(arg_index), out_shapes)
+
+
+def dotted(path: Sequence[Any]) -> str:
+    """A pytree key path as ``"params.layers.0.kernel"``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[dict[str, Any]] = []
+        self.values: list[Value] = []
+
+    # -- construction -------------------------------------------------------------------------
+    def _node(self, kind: str, name: str, inputs: Sequence[Operand], out_avals: Sequence[Any],
+              seq: list[int], **fields: Any) -> tuple[int, list[int]]:
+        nid = len(self.nodes)
+        outs = []
+        for j, aval in enumerate(out_avals):
+            vid = len(self.values)
+            self.values.append(Value(vid, tuple(int(d) for d in aval.shape), aval.dtype, nid, j))
+            outs.append(vid)
+        self.nodes.append(dict(id=nid, kind=kind, name=name, inputs=list(inputs), outputs=outs,
+                               **fields))
+        seq.append(nid)
+        return nid, outs
+
+    def build(self, closed: jcore.ClosedJaxpr, in_paths: Sequence[str],
+              out_paths: Sequence[str]) -> OpGraph:
+        order: list[int] = []
+        env: dict[Any, Operand] = {}
+        jaxpr = closed.jaxpr
+        inputs = []
+        for var, path in zip(jaxpr.invars, in_paths, strict=True):
+            nid, (vid,) = self._node("input", "input", (), [var.aval], order, label=path)
+            env[var] = vid
+            inputs.append(nid)
+        self._bind_consts(jaxpr.constvars, closed.consts, env, order, 1.0, None)
+        self._walk(jaxpr, env, order, 1.0, None)
+        outputs = []
+        for var, path in zip(jaxpr.outvars, out_paths, strict=True):
+            nid, _ = self._node("output", "output", [self._read(env, var)], (), order, label=path)
+            outputs.append(nid)
+        return self._finish(order, inputs, outputs)
+
+    def _bind_consts(self, constvars: Sequence[Any], consts: Sequence[Any], env: dict,
+                     seq: list[int], weight: float, region: int | None) -> None:
+        for var, val in zip(constvars, consts, strict=True):
+            nid, (vid,) = self._node("const", "const", (), [var.aval], seq, weight=weight,
+                                     region=region, params={"value": val})
+            env[var] = vid
+
+    @staticmethod
+    def _read(env: dict, var: Any) -> Operand:
+        if isinstance(var, jcore.Literal):
+            aval = var.aval
+            return Const(var.val, tuple(aval.shape), aval.dtype)
+        return env[var]
+
+    def _walk(self, jaxpr: jcore.Jaxpr, env: dict, seq: list[int], weight: float,
+              region: int | None) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [self._read(env, v) for v in eqn.invars]
+            key = _INLINE.get(name)
+            if key is not None and key in eqn.params:
+                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region)
+            elif name == "scan":
+                self._scan(eqn, ins, env, seq, weight, region)
+            elif name == "while":
+                self._while(eqn, ins, env, seq, weight, region)
+            elif name == "cond":
+                self._cond(eqn, ins, env, seq, weight, region)
+            else:
+                _, outs = self._node("op", name, ins, [v.aval for v in eqn.outvars], seq,
+                                     eqn=eqn, source=source_location(eqn), weight=weight,
+                                     region=region)
+                for var, vid in zip(eqn.outvars, outs, strict=True):
+                    env[var] = vid
+
+    def _inline(self, sub: Any, ins: Sequence[Operand], outvars: Sequence[Any], env: dict,
+                seq: list[int], weight: float, region: int | None) -> None:
+        inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
+        sub_env: dict[Any, Operand] = dict(zip(inner.invars, ins, strict=True))
+        self._bind_consts(inner.constvars, consts, sub_env, seq, weight, region)
+        self._walk(inner, sub_env, seq, weight, region)
+        for var, inner_var in zip(outvars, inner.outvars, strict=True):
+            env[var] = self._read(sub_env, inner_var)
+
+    # -- control flow -------------------------------------------------------------------------
+    def _control(self, eqn: Any, ins: Sequence[Operand], seq: list[int], weight: float,
+                 region: int | None) -> int:
+        nid, _ = self._node("control", eqn.primitive.name, ins, (), seq, eqn=eqn,
+                            source=source_location(eqn), weight=weight, region=region)
+        return nid
+
+    def _enter(self, role: str, operand: Operand, aval: Any, cid: int, seq: list[int],
+               weight: float, index: int, source: str) -> int:
+        _, (vid,) = self._node("enter", role, [operand], [aval], seq, weight=weight, region=cid,
+                               params={"index": index}, source=source)
+        return vid
+
+    def _exit(self, role: str, operands: Sequence[Operand], aval: Any, cid: int,
+              outer_seq: list[int], weight: float, index: int, source: str) -> int:
+        nid, (vid,) = self._node("exit", role, operands, [aval], outer_seq, weight=weight,
+                                 params={"index": index, "control": cid}, source=source,
+                                 region=self.nodes[cid].get("region"))
+        self.nodes[cid].setdefault("params", {}).setdefault("exits", []).append(nid)
+        return vid
+
+    def _scan(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
+              region: int | None) -> None:
+        p = eqn.params
+        body = p["jaxpr"]
+        nc, nk = p["num_consts"], p["num_carry"]
+        cid = self._control(eqn, ins, seq, weight, region)
+        src = self.nodes[cid]["source"]
+        inner_w = weight * max(int(p["length"]), 1)
+        body_seq: list[int] = []
+        benv: dict[Any, Operand] = {}
+        carry_nodes = []
+        for i, var in enumerate(body.jaxpr.invars):
+            if i < nc:
+                benv[var] = self._enter("const", ins[i], var.aval, cid, body_seq, inner_w, i, src)
+            elif i < nc + nk:
+                benv[var] = self._enter("carry", ins[i], var.aval, cid, body_seq, inner_w, i, src)
+                carry_nodes.append(len(self.nodes) - 1)
+            else:
+                benv[var] = self._enter("xs", ins[i], var.aval, cid, body_seq, inner_w, i, src)
+        self._bind_consts(body.jaxpr.constvars, body.consts, benv, body_seq, inner_w, cid)
+        self._walk(body.jaxpr, benv, body_seq, inner_w, cid)
+        outs = [self._read(benv, v) for v in body.jaxpr.outvars]
+        for k, node_id in enumerate(carry_nodes):
+            self.nodes[node_id]["inputs"].append(outs[k])  # the back edge
+        self.nodes[cid]["params"] = {"body": body_seq, "carry_nodes": carry_nodes}
+        for j, var in enumerate(eqn.outvars):
+            role = "carry_out" if j < nk else "ys"
+            env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j, src)
+
+    def _while(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
+               region: int | None) -> None:
+        p = eqn.params
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cid = self._control(eqn, ins, seq, weight, region)
+        src = self.nodes[cid]["source"]
+        inner_w = weight * WHILE_TRIP_ESTIMATE
+        enter_seq: list[int] = []
+        cond_seq: list[int] = []
+        body_seq: list[int] = []
+        carries = ins[cn + bn:]
+        carry_vals, carry_nodes = [], []
+        for k, (operand, var) in enumerate(zip(carries, bj.jaxpr.invars[bn:], strict=True)):
+            carry_vals.append(self._enter("carry", operand, var.aval, cid, enter_seq, inner_w,
+                                          cn + bn + k, src))
+            carry_nodes.append(len(self.nodes) - 1)
+        cenv: dict[Any, Operand] = {}
+        for i, var in enumerate(cj.jaxpr.invars[:cn]):
+            cenv[var] = self._enter("const", ins[i], var.aval, cid, cond_seq, inner_w, i, src)
+        cenv.update(zip(cj.jaxpr.invars[cn:], carry_vals, strict=True))
+        self._bind_consts(cj.jaxpr.constvars, cj.consts, cenv, cond_seq, inner_w, cid)
+        self._walk(cj.jaxpr, cenv, cond_seq, inner_w, cid)
+        predicate = self._read(cenv, cj.jaxpr.outvars[0])
+        benv: dict[Any, Operand] = {}
+        for i, var in enumerate(bj.jaxpr.invars[:bn]):
+            benv[var] = self._enter("const", ins[cn + i], var.aval, cid, body_seq, inner_w,
+                                    cn + i, src)
+        benv.update(zip(bj.jaxpr.invars[bn:], carry_vals, strict=True))
+        self._bind_consts(bj.jaxpr.constvars, bj.consts, benv, body_seq, inner_w, cid)
+        self._walk(bj.jaxpr, benv, body_seq, inner_w, cid)
+        outs = [self._read(benv, v) for v in bj.jaxpr.outvars]
+        for k, node_id in enumerate(carry_nodes):
+            self.nodes[node_id]["inputs"].append(outs[k])
+        self.nodes[cid]["params"] = {"enter": enter_seq, "cond": cond_seq, "body": body_seq,
+                                     "carry_nodes": carry_nodes, "predicate": predicate}
+        for j, var in enumerate(eqn.outvars):
+            env[var] = self._exit("carry_out", [outs[j]], var.aval, cid, seq, weight, j, src)
+
+    def _cond(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
+              region: int | None) -> None:
+        branches = eqn.params["branches"]
+        cid = self._control(eqn, ins, seq, weight, region)
+        src = self.nodes[cid]["source"]
+        enter_seq: list[int] = []
+        operands = [self._enter("operand", op, var.aval, cid, enter_seq, weight, i + 1, src)
+                    for i, (op, var) in enumerate(zip(ins[1:], branches[0].jaxpr.invars,
+                                                      strict=True))]
+        branch_seqs, branch_outs = [], []
+        for br in branches:
+            bseq: list[int] = []
+            benv: dict[Any, Operand] = dict(zip(br.jaxpr.invars, operands, strict=True))
+            self._bind_consts(br.jaxpr.constvars, br.consts, benv, bseq, weight, cid)
+            self._walk(br.jaxpr, benv, bseq, weight, cid)
+            branch_seqs.append(bseq)
+            branch_outs.append([self._read(benv, v) for v in br.jaxpr.outvars])
+        self.nodes[cid]["params"] = {"enter": enter_seq, "branches": branch_seqs}
+        for j, var in enumerate(eqn.outvars):
+            merged = [outs[j] for outs in branch_outs]
+            env[var] = self._exit("merge", merged, var.aval, cid, seq, weight, j, src)
+
+    # -- dead-code elimination and freezing ---------------------------------------------------
+    def _finish(self, order: list[int], inputs: list[int], outputs: list[int]) -> OpGraph:
+        live = self._live()
+        remap = {old: new for new, old in enumerate(i for i in range(len(self.nodes)) if i in live)}
+        vmap: dict[int, int] = {}
+        values: list[Value] = []
+        for v in self.values:
+            if v.producer in remap:
+                vmap[v.id] = len(values)
+                values.append(dataclasses.replace(v, id=len(values), producer=remap[v.producer]))
+
+        def operand(o: Operand) -> Operand:
+            return o if isinstance(o, Const) else vmap[o]
+
+        def ids(seq: Sequence[int]) -> list[int]:
+            return [remap[i] for i in seq if i in remap]
+
+        nodes = []
+        for old, new in remap.items():
+            d = dict(self.nodes[old])
+            d["id"] = new
+            d["inputs"] = tuple(operand(o) for o in d["inputs"])
+            d["outputs"] = tuple(vmap[v] for v in d["outputs"])
+            if d.get("region") is not None:
+                d["region"] = remap[d["region"]]
+            params = dict(d.get("params", {}))
+            if d["kind"] == "control":
+                for key in ("body", "cond", "enter", "carry_nodes", "exits"):
+                    if key in params:
+                        params[key] = ids(params[key])
+                if "branches" in params:
+                    params["branches"] = [ids(b) for b in params["branches"]]
+                if "predicate" in params:
+                    params["predicate"] = operand(params["predicate"])
+            if d["kind"] == "exit":
+                params["control"] = remap[params["control"]]
+            d["params"] = params
+            nodes.append(Node(**d))
+        return OpGraph(tuple(nodes), tuple(values), tuple(ids(order)), tuple(ids(inputs)),
+                       tuple(ids(outputs)), build_consumers(nodes, len(values)))
+
+    def _live(self) -> set[int]:
+        """Nodes that an output, an effect or a kept structure depends on."""
+        keep = set()
+        work = []
+        for n in self.nodes:
+            eqn = n.get("eqn")
+            effectful = eqn is not None and bool(getattr(eqn, "effects", None))
+            if n["kind"] in ("input", "output", "enter", "exit", "control") or effectful:
+                work.append(n["id"])
+        while work:
+            nid = work.pop()
+            if nid in keep:
+                continue
+            keep.add(nid)
+            n = self.nodes[nid]
+            deps = list(n["inputs"])
+            if n["kind"] == "control" and "predicate" in n.get("params", {}):
+                deps.append(n["params"]["predicate"])
+            for o in deps:
+                if isinstance(o, int):
+                    work.append(self.values[o].producer)
+        return keep
+
+
+def literal_array(c: Const) -> np.ndarray:
+    return np.asarray(c.value, dtype=c.dtype)

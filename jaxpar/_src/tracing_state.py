@@ -1,0 +1,29 @@
+"""What a function being traced by ``parallelize`` can ask about its surroundings."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from jax.sharding import Mesh
+
+_state = threading.local()
+
+
+def tracing_mesh() -> Mesh | None:
+    """The mesh of the ``parallelize`` currently tracing on this thread, if any."""
+    stack = getattr(_state, "meshes", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def tracing_with(mesh: Mesh) -> Iterator[None]:
+    stack = getattr(_state, "meshes", None)
+    if stack is None:
+        stack = _state.meshes = []
+    stack.append(mesh)
+    try:
+        yield
+    finally:
+        stack.pop()
