@@ -38,7 +38,7 @@ def source_location(eqn: jcore.JaxprEqn) -> str:
     if frame is None:
         return "?"
     name = os.path.basename(frame.file_name)
-    return f"{name}:{frame.start_line} ({frame.function_name})"
+    return f"{name}:{frame.start_line} ({frame.function_name.rsplit('.', 1)[-1]})"
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:

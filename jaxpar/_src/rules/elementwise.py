@@ -1,7 +1,7 @@
 """Elementwise operators: every operand dimension is the result's dimension.
 
-jaxprs broadcast explicitly (``broadcast_in_dim``), so operands have the result's shape or are
-scalars; anything else is replicated rather than guessed.
+Operands have the result's shape, are scalars, or have size-1 dimensions that broadcast against
+the result (those stay whole); anything else is replicated rather than guessed.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def _elementwise_rule(op: OpView) -> FactorRule:
     dims = b.factors(shape)
     operands = []
     for s in op.in_shapes:
-        if s == shape:
-            operands.append(dims)
-        elif len(s) == 0:
+        if len(s) == 0:
             operands.append([])
+        elif len(s) == len(shape) and all(n in (m, 1) for n, m in zip(s, shape, strict=True)):
+            # size-1 dimensions broadcast against the result and stay whole
+            operands.append([f if n == m else None for f, n, m in zip(dims, s, shape,
+                                                                       strict=True)])
         else:
             return replicated_rule(op)
     size = math.prod(shape) if shape else 1
