@@ -20,7 +20,7 @@ from jaxpar._src.context import (
     current_context,
 )
 from jaxpar._src.cost import CostModel
-from jaxpar._src.data_parallel import batch_specs, infer_batch_argnums, scale_gradients
+from jaxpar._src.data_parallel import batch_specs, infer_batch_argnums
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.layout import Layout
@@ -43,7 +43,6 @@ class Settings:
     search_mode: str
     mesh: Mesh
     hardware: HardwareProfile
-    gradients_mean: bool
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,12 +136,18 @@ class Parallelized:
                 n = ctx.device_num or len(jax.devices())
                 mesh = make_mesh((n,), ("devices",))
         check_auto_axes(mesh, self._api)
+        if mode is ParallelMode.DATA_PARALLEL and not ctx.gradients_mean:
+            raise ContextError(
+                f"{self._api}: gradients_mean=False asks for the sum of per-device gradients, "
+                f"but a JAX program sees the global batch: its gradients are the device mean "
+                f"(gradients_mean=True), which XLA all-reduces for you. Scale the loss by the "
+                f"number of devices if you want the MindSpore sum.")
         if mode is ParallelMode.AUTO_PARALLEL and search not in AVAILABLE_SEARCH_MODES:
             raise PlanError(
                 f"{self._api}: search_mode={search!r} is not available in this version of "
                 f"jaxpar; available: {list(AVAILABLE_SEARCH_MODES)}. Use "
                 f"search_mode='sharding_propagation' with a few in_strategy/shard pins.")
-        return Settings(mode, search, mesh, hardware, ctx.gradients_mean)
+        return Settings(mode, search, mesh, hardware)
 
     def _strategy_mesh(self, device_num: int | None) -> Mesh | None:
         """A mesh from Layout or slice-count strategies when none is given."""
@@ -172,16 +177,11 @@ class Parallelized:
         t0 = time.perf_counter()
         names = self._arg_names(len(args))
         mesh = settings.mesh
-        fn = self._fn
         with tracing_with(mesh):
-            program = trace(fn, args, static_argnums=self._static, arg_names=names)
+            program = trace(self._fn, args, static_argnums=self._static, arg_names=names)
             batch = None
             if settings.mode is ParallelMode.DATA_PARALLEL:
                 batch = self._batch(args, program, names)
-                if not settings.gradients_mean:
-                    degree = MeshShape.of(mesh).num_devices
-                    fn = scale_gradients(fn, args, batch, self._static, degree)
-                    program = trace(fn, args, static_argnums=self._static, arg_names=names)
         t1 = time.perf_counter()
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)

@@ -48,7 +48,7 @@ class ParallelContext:
     search_mode: str = "sharding_propagation"  # the search used by auto_parallel
     device_num: int | None = None  # devices to use; None = all of jax.devices()
     global_rank: int = 0  # this process's rank (set by jaxpar.init in multi-process runs)
-    gradients_mean: bool = True  # data_parallel: mean (True) or sum (False) of device gradients
+    gradients_mean: bool = True  # gradients are the device mean (a JAX program's own meaning)
     mesh: Mesh | None = None  # the device mesh; None = derived from strategies or device_num
     hardware: HardwareProfile | None = None  # what the cost model prices; None = CPU preset
 
@@ -106,7 +106,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     ``device_num``, ``global_rank``, ``gradients_mean``, ``mesh``, ``hardware``.
 
     ``gradients_mean`` defaults to ``True`` here, unlike MindSpore: a JAX program sees the global
-    batch, so the mean is what single-device training computes.
+    batch, so its gradients are the mean over devices, as single-device training computes them;
+    ``parallelize`` refuses ``False`` (a sum of per-device gradients it never sees).
 
     >>> set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
     >>> get_auto_parallel_context("parallel_mode")

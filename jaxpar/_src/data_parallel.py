@@ -1,18 +1,15 @@
-"""``data_parallel`` mode: which arguments carry the batch, their layouts, and gradient sums.
+"""``data_parallel`` mode: which arguments carry the batch, and their layouts.
 
 A JAX program sees the global batch, so a loss that averages over it already has gradients equal
-to the mean of the per-device gradients (MindSpore's ``gradients_mean=True``, jaxpar's default).
-With ``gradients_mean=False`` MindSpore sums the per-device gradients instead, which is the mean
-times the data-parallel degree.  jaxpar reproduces that exactly, and only for gradients: the
-replicated arguments enter the function through an identity whose derivative is multiplied by
-the degree, so every gradient taken inside the function with respect to them is scaled, while
-forward values (losses, batch statistics) are untouched.
+to the mean of the per-device gradients: MindSpore's ``gradients_mean=True``, jaxpar's default.
+XLA inserts that all-reduce itself.  MindSpore's ``gradients_mean=False`` (the per-device sum) has
+no meaning for a program that never sees per-device losses, so ``parallelize`` refuses it rather
+than compute something else.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -75,39 +72,3 @@ def batch_specs(program: TracedProgram, batch: Sequence[int], mesh: MeshShape,
         else:
             specs.append(Spec.replicated(len(shape)))
     return specs
-
-
-def scale_gradients(fn: Callable, args: Sequence[Any], batch: Sequence[int],
-                    static: Sequence[int], degree: int) -> Callable:
-    """``fn`` with its non-batch floating arguments passed through :func:`_grad_scale`."""
-    keep = set(batch) | set(static)
-
-    def scaled(*call_args: Any) -> Any:
-        new = [a if i in keep else jax.tree.map(lambda x: _grad_scale(x, float(degree)), a)
-               for i, a in enumerate(call_args)]
-        return fn(*new)
-
-    scaled.__name__ = getattr(fn, "__name__", "fn")
-    return scaled
-
-
-def _grad_scale(x: Any, factor: float) -> Any:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        return x
-    return _scale_cotangent(x, factor)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _scale_cotangent(x: Any, factor: float) -> Any:
-    return x
-
-
-def _fwd(x: Any, factor: float) -> tuple[Any, None]:
-    return x, None
-
-
-def _bwd(factor: float, _: None, g: Any) -> tuple[Any]:
-    return (g * jnp.asarray(factor, dtype=g.dtype),)
-
-
-_scale_cotangent.defvjp(_fwd, _bwd)
