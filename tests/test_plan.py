@@ -64,3 +64,22 @@ def test_stand_alone_mode_plans_everything_replicated_on_one_device():
     assert plan.mesh.num_devices == 1
     assert all(s.is_replicated for d in plan.decisions for s in d.out_specs)
     assert jnp.allclose(f(params, x), models.mlp(params, x))
+
+
+def test_state_results_take_the_layout_of_their_arguments():
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+
+    def sgd_step(params, x):
+        loss, grads = jax.value_and_grad(models.mlp_loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params, x = models.init_mlp(jax.random.key(0))
+    step = jaxpar.parallelize(sgd_step, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=({"w1": (1, 4), "w2": (4, 1)}, (2, 1)),
+                              donate_argnums=0)
+    plan = step.plan(params, x)
+    ins, outs = plan.input_layouts(), plan.output_layouts()
+    assert outs["out.0.w1"] == ins["params.w1"] and outs["out.0.w2"] == ins["params.w2"]
+    new, _ = step(params, x)
+    again, _ = step(new, x)  # same layout in and out: no resharding between steps
+    assert again["w1"].sharding == new["w1"].sharding

@@ -30,6 +30,7 @@ from jaxpar._src.plan import ShardingPlan, make_plan
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
 from jaxpar._src.spec import MeshShape, Spec
+from jaxpar._src.state import state_ties
 from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
 from jaxpar._src.trace import TracedProgram, trace
 from jaxpar._src.tracing_state import tracing_with
@@ -186,7 +187,8 @@ class Parallelized:
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
         pins = self._pins(args, program, mesh, space, settings, batch)
-        assignment = self._search(space, pins, settings)
+        ties = state_ties(program, args, self._static)
+        assignment = self._search(space, pins, settings, ties)
         plan = make_plan(program.graph, assignment, space,
                          device_ids=[d.id for d in mesh.devices.flat],
                          parallel_mode=settings.mode.value,
@@ -259,12 +261,13 @@ class Parallelized:
             raise PlanError(f"{self._api}: internal error pinning node {nid} to {spec}.")
         return Pin(nid, strategy, origin)
 
-    def _search(self, space: SearchSpace, pins: list[Pin], settings: Settings) -> Assignment:
+    def _search(self, space: SearchSpace, pins: list[Pin], settings: Settings,
+                ties: list[tuple[int, int]]) -> Assignment:
         if settings.mode is ParallelMode.STAND_ALONE:
             graph = space.graph
             return Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
                               {n.id: "stand_alone" for n in graph.searchable()})
-        return propagate(space, pins, where=self._api)
+        return propagate(space, pins, ties=ties, where=self._api)
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
              settings: Settings) -> tuple[Any, tuple[Any, ...]]:

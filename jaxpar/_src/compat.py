@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,17 +29,26 @@ if _siu is not None and hasattr(_siu, "register_exclusion"):
 
 
 def source_location(eqn: jcore.JaxprEqn) -> str:
-    """``"file.py:12 (fn)"`` for the user frame that created ``eqn``, or ``"?"``."""
+    """``"file.py:12 (fn)"`` of the code that created ``eqn``, or ``"?"``.
+
+    The innermost frame of the user's own code wins over library frames (a Flax layer's
+    ``linear.py`` says less than the model line that called it).
+    """
     if _siu is None:
         return "?"
     try:
-        frame = _siu.user_frame(eqn.source_info.traceback)
+        frames = list(_siu.user_frames(eqn.source_info.traceback))
     except Exception:  # noqa: BLE001 - a missing location must never break planning
-        frame = None
-    if frame is None:
+        frames = []
+    if not frames:
         return "?"
+    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
+    frame = (own or frames)[0]
     name = os.path.basename(frame.file_name)
     return f"{name}:{frame.start_line} ({frame.function_name.rsplit('.', 1)[-1]})"
+
+
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:

@@ -12,17 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from jaxpar._src.errors import PlanError, StrategyError
 from jaxpar._src.spec import MeshShape, Spec
+from jaxpar._src.state import threaded_state
 from jaxpar._src.trace import TracedProgram
-
-
-def _sig(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
 def infer_batch_argnums(args: Sequence[Any], out_shapes: Any, static: Sequence[int],
@@ -33,10 +26,8 @@ def infer_batch_argnums(args: Sequence[Any], out_shapes: Any, static: Sequence[i
       PlanError: when the function threads no state (or only state), so the batch cannot be
         told apart; pass ``batch_argnums``.
     """
-    outs = out_shapes if isinstance(out_shapes, (tuple, list)) else (out_shapes,)
-    returned = {_sig(o) for o in outs}
     dyn = [i for i in range(len(args)) if i not in static]
-    state = [i for i in dyn if _sig(jax.tree.map(_shape_of, args[i])) in returned]
+    state = {i for i, _ in threaded_state(args, out_shapes, static)}
     data = tuple(i for i in dyn if i not in state)
     if not state or not data:
         raise PlanError(
@@ -47,12 +38,6 @@ def infer_batch_argnums(args: Sequence[Any], out_shapes: Any, static: Sequence[i
             f"Pass batch_argnums=..., e.g. batch_argnums=({dyn[-1] if dyn else 0},) for "
             f"'{names[dyn[-1]] if dyn else 'x'}'.")
     return data
-
-
-def _shape_of(x: Any) -> Any:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
 def batch_specs(program: TracedProgram, batch: Sequence[int], mesh: MeshShape,

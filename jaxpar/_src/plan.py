@@ -21,8 +21,9 @@ from jaxpar._src.search.common import Assignment, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 
 FORMAT = "jaxpar.plan/1"
+USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
 HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter",
-                   "reduce_sum", "reduce_max", "cumsum", "sort", "sharding_constraint"})
+                   "sharding_constraint"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,31 +157,39 @@ class ShardingPlan:
     def explain(self, verbose: bool = False) -> str:
         """A table: operator, source line, layouts, estimated communication, origin.
 
-        By default it lists the inputs and outputs, the heavy operators (contractions, gathers,
-        reductions), user pins and everything that communicates; ``verbose=True`` lists all.
+        By default it lists the heavy operators (contractions, gathers, reductions), user pins,
+        split arguments the user fixed, and everything that communicates; a summary line counts
+        the arguments and results.  ``verbose=True`` lists every node.
         """
         rows = []
         for d in self.decisions:
-            if d.kind == "control":
+            if d.kind == "control" or (d.kind == "const" and not verbose):
                 continue
-            keep = verbose or d.kind in ("input", "output") or d.comm_bytes > 0 or \
-                d.name in HEAVY or d.origin not in ("propagated", "unreached")
-            if d.kind == "const" and not verbose:
+            pinned = d.origin in USER_ORIGINS
+            if d.kind == "input":
+                keep = pinned and not d.out_specs[0].is_replicated
+            elif d.kind == "output":
                 keep = False
-            if not keep:
+            else:
+                keep = d.comm_bytes > 0 or d.name in HEAVY or pinned
+            if not (keep or verbose):
                 continue
             name = d.label if d.kind in ("input", "output") else (
                 d.name if d.kind == "op" else f"{d.kind}:{d.name}")
-            comm = _comm_str(d)
             loop = f" x{d.weight:g}" if d.weight != 1 else ""
             rows.append((str(d.node), d.kind if d.kind != "op" else "", name,
                          d.source if d.kind not in ("input", "output") else "",
-                         d.strategy_str(), comm + loop, d.origin))
+                         d.strategy_str(), _comm_str(d) + loop, d.origin))
         header = ("#", "kind", "operator", "source", "layout (mesh axes per dim)",
                   "comm/device (est.)", "origin")
         lines = [f"ShardingPlan on mesh {self.mesh}  mode={self.parallel_mode}  "
                  f"search={self.search_mode}"]
         lines.append(_table([header] + rows))
+        split_in = sum(not s.is_replicated for s in self.input_specs)
+        split_out = sum(not s.is_replicated for s in self.output_specs)
+        lines.append(f"arguments: {len(self.inputs)} arrays, {split_in} split "
+                     f"(plan.input_layouts()); results: {len(self.outputs)} arrays, "
+                     f"{split_out} split (plan.output_layouts())")
         summary = self.communication_summary()
         if summary:
             parts = [f"{k} x{v['count']:g} ({_bytes(v['wire_bytes'])})"

@@ -27,7 +27,13 @@ from jaxpar._src.compat import is_tracer
 from jaxpar._src.context import current_context
 from jaxpar._src.errors import MeshError
 from jaxpar._src.lower import named_sharding
-from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
+from jaxpar._src.modules import get_value, module_of, module_params, set_value
+from jaxpar._src.strategy import (
+    is_slice_counts,
+    is_strategy_leaf,
+    mesh_for_slice_counts,
+    normalize,
+)
 from jaxpar._src.tracing_state import tracing_mesh
 
 
@@ -44,7 +50,7 @@ class Sharded:
         self._mesh = mesh
         self._name = getattr(fn, "__name__", "fn")
         self._api = f"jaxpar.shard({self._name})"
-        self._standalone: Parallelized | None = None
+        self._standalone: dict[Mesh, Parallelized] = {}
         try:
             params = inspect.signature(fn).parameters
             self._arg_names = [n for n, p in params.items() if p.kind in (
@@ -68,11 +74,17 @@ class Sharded:
         return self._parallelized().plan(*args)
 
     def _parallelized(self) -> Parallelized:
-        if self._standalone is None:
-            self._standalone = parallelize(
-                self._fn, mesh=self._mesh, parallel_mode="semi_auto_parallel",
-                in_strategy=self._in, out_strategy=self._out, parameter_plan=self._plan)
-        return self._standalone
+        """Run standalone: a semi-automatic program whose pins are this function's layouts."""
+        mesh = self._mesh_here()
+        program = self._standalone.get(mesh)
+        if program is None:
+            @functools.wraps(self._fn)
+            def pinned(*args: Any) -> Any:
+                return self._constrained(args)
+
+            program = self._standalone[mesh] = parallelize(
+                pinned, mesh=mesh, parallel_mode="semi_auto_parallel")
+        return program
 
     # -- nested: pin the boundary with sharding constraints ------------------------------------
     def _mesh_here(self) -> Mesh:
@@ -93,16 +105,25 @@ class Sharded:
         mesh = self._mesh_here()
         names = self._names(len(args))
         leaves, tree = jax.tree.flatten(list(args))
-        raw = pinlib.argument_strategies(self._in, args, names, api=self._api)
+        module = module_of(self._fn)
+        params = module_params(module) if module is not None and self._plan else []
         leaf_names = [n for _, n in pinlib.leaf_names(args, names)]
-        raw = pinlib.merge(raw, pinlib.parameter_plan_strategies(self._plan, leaf_names,
-                                                                 api=self._api),
-                           leaf_names, api=self._api)
+        all_names = leaf_names + [name for name, _ in params]
+        by_name = pinlib.parameter_plan_strategies(self._plan, all_names, api=self._api)
+        raw = pinlib.argument_strategies(self._in, args, names, api=self._api)
+        raw = pinlib.merge(raw, by_name[: len(leaves)], leaf_names, api=self._api)
         wheres = [f"{self._api}: strategy of '{n}'" for n in leaf_names]
         specs = pinlib.normalize_all(raw, [x.shape for x in leaves], [x.dtype for x in leaves],
                                      mesh, wheres)
         leaves = [x if s is None else jax.lax.with_sharding_constraint(x, named_sharding(mesh, s))
                   for x, s in zip(leaves, specs, strict=True)]
+        for (name, var), strategy in zip(params, by_name[len(leaves):], strict=True):
+            if strategy is None:
+                continue
+            value = get_value(var)
+            spec = normalize(strategy, value.shape, mesh, dtype=value.dtype,
+                             where=f"{self._api}: parameter_plan for '{name}'")
+            set_value(var, jax.lax.with_sharding_constraint(value, named_sharding(mesh, spec)))
         out = self._fn(*jax.tree.unflatten(tree, leaves))
         if self._out is None:
             return out
@@ -126,7 +147,9 @@ def shard(fn: Callable | None = None, in_strategy: Any = None, out_strategy: Any
       in_strategy: one strategy per positional argument: slice counts such as ``(2, 1)``, a
         ``PartitionSpec``, a ``jaxpar.Layout``, ``None`` (free), or a tree of them.
       out_strategy: strategies for the results, in the same forms.
-      parameter_plan: ``{argument name or path glob: strategy}``.
+      parameter_plan: ``{name or glob: strategy}`` for arguments by name (``"w"``,
+        ``"params.w1"``) and, when ``fn`` is a Flax NNX module or its method, for the module's
+        parameters by path (``"fc1.kernel"``), as MindSpore's ``Cell.shard``.
       mesh: the mesh; default: the enclosing ``parallelize``'s, else the context's, else one
         built from the slice counts.
 

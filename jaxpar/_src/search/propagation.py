@@ -30,12 +30,17 @@ from collections.abc import Sequence
 
 from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import OpGraph
-from jaxpar._src.rules import OpStrategy
+from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 
 
-def propagate(space: SearchSpace, pins: Sequence[Pin], *, where: str = "jaxpar") -> Assignment:
-    """Runs sharding propagation from ``pins``; raises :class:`PlanError` without any pin."""
+def propagate(space: SearchSpace, pins: Sequence[Pin], *,
+              ties: Sequence[tuple[int, int]] = (), where: str = "jaxpar") -> Assignment:
+    """Runs sharding propagation from ``pins``; raises :class:`PlanError` without any pin.
+
+    ``ties`` pairs nodes that must share one layout (a state argument and the result that
+    returns it): once one side is decided, the other takes its layout.
+    """
     graph = space.graph
     if not pins:
         raise PlanError(
@@ -71,20 +76,44 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *, where: str = "jaxpar")
                 discovered[v] = next(counter)
             heapq.heappush(heap, (readiness(v), discovered[v], v))
 
+    partner: dict[int, int] = {}
+    for a, b in ties:
+        partner[a], partner[b] = b, a
+
+    def decide(v: int, strategy: OpStrategy, origin: str) -> None:
+        strategies[v] = strategy
+        origins[v] = origin
+        discover(v)
+        other = partner.get(v)
+        if other is not None and other not in strategies:
+            tied = _tied_strategy(space, other, strategy)
+            if tied is not None:
+                decide(other, tied, "state")
+
     for u in sorted(strategies):
         discover(u)
+        other = partner.get(u)
+        if other is not None and other not in strategies:
+            tied = _tied_strategy(space, other, strategies[u])
+            if tied is not None:
+                decide(other, tied, "state")
     while heap:
         cls, _, v = heapq.heappop(heap)
         if v in strategies or cls != readiness(v):
             continue  # decided already, or a fresher entry with a better class is queued
-        strategies[v] = best_response(space, v, strategies)
-        origins[v] = "propagated"
-        discover(v)
+        decide(v, best_response(space, v, strategies), "propagated")
     for node in graph.searchable():
         if node.id not in strategies:
             strategies[node.id] = space.candidates(node.id)[0]
             origins[node.id] = "unreached"
     return Assignment(strategies, origins)
+
+
+def _tied_strategy(space: SearchSpace, node: int, strategy: OpStrategy) -> OpStrategy | None:
+    """The strategy giving ``node`` (an input or output) the layout of its partner."""
+    spec = (strategy.out_specs or strategy.in_specs)[0]
+    side = "out" if space.graph.nodes[node].kind in ("input", "const") else "in"
+    return strategy_for_specs(space.rule(node), {(side, 0): spec}, space.model.mesh)
 
 
 def _dataflow(graph: OpGraph) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
