@@ -16,7 +16,6 @@ dimension are an all-to-all, axes only the source has are gathered.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +67,7 @@ class CostModel:
     def __init__(self, mesh: MeshShape, hardware: HardwareProfile) -> None:
         self.mesh = mesh
         self.hw = hardware
+        self._redistributions: dict[tuple, tuple[Collective, ...]] = {}
 
     # -- collectives --------------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
@@ -88,7 +88,12 @@ class CostModel:
         """The collectives that turn layout ``src`` into ``dst``; empty when nothing moves."""
         if src == dst:
             return ()
-        return _redistribution(src, dst, shape, itemsize(dtype), self.mesh, self.hw)
+        key = (src, dst, shape, dtype)
+        found = self._redistributions.get(key)
+        if found is None:
+            found = self._redistributions[key] = _redistribution(self, src, dst, shape,
+                                                                 itemsize(dtype))
+        return found
 
     def edge_cost(self, src: Spec, dst: Spec, shape: tuple[int, ...], dtype: Any,
                   weight: float = 1.0) -> Cost:
@@ -127,10 +132,9 @@ class CostModel:
                     weight * sum(c.time for c in colls), memory)
 
 
-@functools.lru_cache(maxsize=65536)
-def _redistribution(src: Spec, dst: Spec, shape: tuple[int, ...], item: int, mesh: MeshShape,
-                    hw: HardwareProfile) -> tuple[Collective, ...]:
-    model = CostModel(mesh, hw)
+def _redistribution(model: CostModel, src: Spec, dst: Spec, shape: tuple[int, ...],
+                    item: int) -> tuple[Collective, ...]:
+    mesh = model.mesh
     sliced, moved, gathered = [], [], []
     for axis in mesh.names:
         s, d = src.dim_of(axis), dst.dim_of(axis)

@@ -8,6 +8,7 @@ that (rules, costs, search, lowering) speaks ``Spec`` and :class:`MeshShape` onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -34,7 +35,7 @@ class MeshShape:
         return self.sizes[self.names.index(axis)]
 
     def product(self, axes: Iterable[str]) -> int:
-        return math.prod(self.size(a) for a in axes)
+        return _product(self, tuple(axes))
 
     @property
     def num_devices(self) -> int:
@@ -45,6 +46,11 @@ class MeshShape:
 
     def __str__(self) -> str:
         return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True)) + ")"
+
+
+@functools.lru_cache(maxsize=4096)
+def _product(mesh: MeshShape, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.sizes[mesh.names.index(a)] for a in axes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

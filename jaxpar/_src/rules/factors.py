@@ -176,6 +176,9 @@ def strategy_for_specs(rule: FactorRule, specs: Mapping[tuple[str, int], Spec],
             f = real[0]
             if assign.setdefault(f, axes) != axes:
                 return None
+    used = [a for axes in assign.values() for a in axes]
+    if len(used) != len(set(used)):
+        return None  # one mesh axis would split two different factors
     for f, axes in assign.items():
         if axes and (f in rule.blocked or rule.sizes[f] % mesh.product(axes) != 0):
             return None

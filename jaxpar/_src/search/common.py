@@ -60,6 +60,15 @@ class SearchSpace:
         """How often a layout change on this edge runs: once per run of the rarer end."""
         return min(self.graph.nodes[producer].weight, self.graph.nodes[consumer].weight)
 
+    def edge_time(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
+                  ) -> float:
+        """Seconds of the layout change ``src -> dst`` on an edge, per program call."""
+        value = self.graph.values[self.graph.nodes[producer].outputs[out_index]]
+        colls = self.model.redistribution(src, dst, value.shape, value.dtype)
+        if not colls:
+            return 0.0
+        return self.edge_weight(producer, consumer) * sum(c.time for c in colls)
+
     def edge_cost(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
                   ) -> Cost:
         value = self.graph.values[self.graph.nodes[producer].outputs[out_index]]

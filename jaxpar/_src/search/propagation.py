@@ -32,6 +32,7 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import OpGraph
 from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
+from jaxpar._src.spec import Spec
 
 
 def propagate(space: SearchSpace, pins: Sequence[Pin], *,
@@ -153,20 +154,44 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
         if other == v or other not in decided or graph.nodes[other].kind == "control":
             continue
         edges.append((producer, j, consumer, i, decided[other]))
-    best, best_key = None, None
-    for index, cand in enumerate(space.candidates(v)):
+    # Fast path: the candidate that matches every decided neighbour exactly and splits nothing
+    # else, if it needs no communication of its own, wins on every criterion.
+    wanted: dict[tuple[str, int], Spec] = {}
+    for producer, j, consumer, i, other in edges:
+        port, spec = (("out", j), other.in_specs[i]) if producer == v else \
+            (("in", i), other.out_specs[j])
+        if wanted.setdefault(port, spec) != spec:
+            break
+    else:
+        exact = strategy_for_specs(space.rule(v), wanted, space.model.mesh)
+        if exact is not None and not exact.partial:
+            return exact
+    candidates = space.candidates(v)
+    scored = []
+    memo: dict[tuple[int, Spec], float] = {}  # candidates share port layouts: price each once
+    for index, cand in enumerate(candidates):
         comm, mismatches = 0.0, 0
-        for producer, j, consumer, i, other in edges:
+        for e, (producer, j, consumer, i, other) in enumerate(edges):
             if producer == v:
-                src, dst = cand.out_specs[j], other.in_specs[i]
+                mine, src, dst = cand.out_specs[j], cand.out_specs[j], other.in_specs[i]
             else:
-                src, dst = other.out_specs[j], cand.in_specs[i]
+                mine, src, dst = cand.in_specs[i], other.out_specs[j], cand.in_specs[i]
             if src != dst:
                 mismatches += 1
-                comm += space.edge_cost(producer, j, src, consumer, dst).comm_time
-        own = space.op_cost(v, cand)
-        key = (comm, mismatches, own.comm_time, cand.axes_used, own.flops, index)
-        if best_key is None or key < best_key:
-            best, best_key = cand, key
-    assert best is not None  # the replicated strategy always exists
-    return best
+                t = memo.get((e, mine))
+                if t is None:
+                    t = memo[(e, mine)] = space.edge_time(producer, j, src, consumer, dst)
+                comm += t
+        scored.append((round(comm, 15), mismatches, index))
+    best_edge = min(scored)[:2]
+    # Only candidates tied on the edges need their own costs (the expensive part).
+    tied = [index for comm, mismatches, index in scored if (comm, mismatches) == best_edge]
+    if len(tied) == 1:
+        return candidates[tied[0]]
+
+    def own(index: int) -> tuple:
+        cand = candidates[index]
+        cost = space.op_cost(v, cand)
+        return cost.comm_time, cand.axes_used, cost.flops, index
+
+    return candidates[min(tied, key=own)]
