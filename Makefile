@@ -9,7 +9,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export PYTHONHASHSEED = 0
 
-.PHONY: help demo test test-fast notebooks bench examples clean
+.PHONY: help demo test test-fast lint notebooks bench clean
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## Auto-parallelise a GPT-style Flax model on 8 emulated CPU devices.
 	$(PY) examples/gpt_semi_auto.py
 
-test: $(STAMP)  ## Run the whole suite: unit tests, examples (--smoke) and notebooks.
+test: $(STAMP)  ## Run the whole suite: lint, unit tests, doctests, examples and notebooks.
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
 	$(MAKE) --no-print-directory notebooks
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
 	$(PY) -m pytest -n 2 -m "not slow" tests
+
+lint: $(STAMP)  ## Static checks (ruff).
+	$(VENV)/bin/ruff check .
 
 notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmake.
 	mkdir -p build/notebooks

@@ -1,7 +1,6 @@
 """Semi-automatic Megatron MLP and sharding propagation: layouts, collectives, numerics."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 

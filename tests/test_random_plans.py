@@ -67,6 +67,7 @@ RUNS = [("mlp_grad", "2x4", 4), ("mlp_grad", "2x2x2", 3), ("convnet_grad", "2x4"
         ("block_grad", "2x4", 2), ("block_grad", "8", 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "mesh_name", "examples"), RUNS)
 def test_random_plans_match_single_device(case, mesh_name, examples):
     fn, args = CASES[case]
@@ -107,6 +108,7 @@ def _primitive_zoo(x, w, idx, table, key):
             + red.sum(), sel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["2x4", "8"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1))

@@ -42,6 +42,7 @@ CASES = {
 MESH_SHAPES = {"2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", sorted(MESH_SHAPES))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_random_user_strategies_match_single_device(case, mesh_name):

@@ -20,7 +20,7 @@ from jaxpar._src.errors import ContextError
 from jaxpar._src.hardware import HardwareProfile
 
 
-class ParallelMode(str, enum.Enum):
+class ParallelMode(enum.StrEnum):
     """How ``parallelize`` decides shardings (MindSpore's ``ParallelMode``).
 
     >>> ParallelMode("semi_auto_parallel") is ParallelMode.SEMI_AUTO_PARALLEL
@@ -31,9 +31,6 @@ class ParallelMode(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"  # batch arguments split over all devices, the rest replicated
     SEMI_AUTO_PARALLEL = "semi_auto_parallel"  # user strategies, the rest propagated
     AUTO_PARALLEL = "auto_parallel"  # searched with search_mode
-
-    def __str__(self) -> str:
-        return self.value
 
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "optimal")

@@ -138,7 +138,8 @@ class OpGraph:
         return sum(1 for n in self.nodes if n.kind == kind)
 
 
-def build_consumers(nodes: Sequence[Node], num_values: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def build_consumers(nodes: Sequence[Node], num_values: int
+                    ) -> tuple[tuple[tuple[int, int], ...], ...]:
     table: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
     for node in nodes:
         for i, operand in enumerate(node.inputs):

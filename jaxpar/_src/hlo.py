@@ -101,7 +101,8 @@ class Collectives(tuple):
         """A readable listing, one line per collective instruction."""
         if not self:
             return "no collectives"
-        lines = [f"{'kind':<20}{'count':>6}  {'group':>5}  {'axes':<10}{'bytes/device':>14}  shapes"]
+        lines = [f"{'kind':<20}{'count':>6}  {'group':>5}  {'axes':<10}{'bytes/device':>14}"
+                 "  shapes"]
         for r in self:
             axes = "+".join(r.axes) if r.axes else "?" if r.axes is None else "-"
             lines.append(f"{r.kind:<20}{r.count:>6}  {r.group_size:>5}  {axes:<10}"

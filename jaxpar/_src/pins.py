@@ -17,9 +17,9 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar._src.errors import StrategyError
+from jaxpar._src.spec import Spec
 from jaxpar._src.strategy import is_strategy_leaf, normalize
 from jaxpar._src.trace import dotted
-from jaxpar._src.spec import Spec
 
 
 def leaf_names(args: Sequence[Any], arg_names: Sequence[str]) -> list[tuple[int, str]]:

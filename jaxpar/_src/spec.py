@@ -45,7 +45,8 @@ class MeshShape:
         return dict(zip(self.names, self.sizes, strict=True))
 
     def __str__(self) -> str:
-        return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True)) + ")"
+        pairs = zip(self.names, self.sizes, strict=True)
+        return "(" + ", ".join(f"{n}={s}" for n, s in pairs) + ")"
 
 
 @functools.lru_cache(maxsize=4096)

@@ -14,10 +14,9 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
-import numpy as np
 
 from jaxpar._src.compat import source_location
-from jaxpar._src.graph import Const, Node, OpGraph, Operand, Value, build_consumers
+from jaxpar._src.graph import Const, Node, Operand, OpGraph, Value, build_consumers
 
 # Call-like primitives whose body is inlined, and where their body lives in ``eqn.params``.
 _INLINE = {
@@ -350,6 +349,3 @@ class _Builder:
                     work.append(self.values[o].producer)
         return keep
 
-
-def literal_array(c: Const) -> np.ndarray:
-    return np.asarray(c.value, dtype=c.dtype)

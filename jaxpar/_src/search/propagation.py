@@ -4,8 +4,9 @@ Outward from every fixed node, in both directions along the edges.  As in MindSp
 with several inputs waits until its inputs are decided: the next node decided is one whose
 producers are all decided (dataflow order), else one whose consumers all are, else the node
 discovered first (producers that no pin reaches, such as a broadcast literal or an unpinned
-argument, are not waited for: they follow their consumers).  Each node takes, among its candidate strategies, the one that is cheapest
-against all of its neighbours decided so far, compared in this order:
+argument, are not waited for: they follow their consumers).  Each node takes, among its
+candidate strategies, the one that is cheapest against all of its neighbours decided so far,
+compared in this order:
 
 1. the communication time of the layout changes on those edges (zero first);
 2. the number of edges whose layouts still differ (an exact match beats a free local slice);
@@ -157,7 +158,7 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
     # Fast path: the candidate that matches every decided neighbour exactly and splits nothing
     # else, if it needs no communication of its own, wins on every criterion.
     wanted: dict[tuple[str, int], Spec] = {}
-    for producer, j, consumer, i, other in edges:
+    for producer, j, _, i, other in edges:
         port, spec = (("out", j), other.in_specs[i]) if producer == v else \
             (("in", i), other.out_specs[j])
         if wanted.setdefault(port, spec) != spec:
