@@ -58,13 +58,6 @@ def test_explicit_arguments_win_over_the_context():
     assert plan.parallel_mode == "semi_auto_parallel"
 
 
-def test_auto_parallel_with_an_unavailable_search_says_so():
-    f = jaxpar.parallelize(lambda x: x * 2, parallel_mode="auto_parallel",
-                           search_mode="dynamic_programming")
-    with pytest.raises(jaxpar.PlanError, match="not available in this version"):
-        f(jnp.ones(8))
-
-
 def test_algo_parameters():
     jaxpar.set_algo_parameters(fully_use_devices=False)
     assert jaxpar.get_algo_parameters("fully_use_devices") is False

@@ -26,7 +26,8 @@ def test_explain_lists_operator_source_strategy_and_communication(step):
     assert len(dots) == 5  # forward 2; backward: dh, dw1, dw2 (x is not differentiated)
     assert all("models.py:" in line for line in dots)
     assert "all-reduce mp" in text and "in_strategy" in text
-    assert text.splitlines()[-1].startswith("predicted collectives: all-reduce")
+    assert text.splitlines()[-2].startswith("predicted collectives: all-reduce")
+    assert text.splitlines()[-1].startswith("simulated step time (cpu):")
     assert len(step.plan(params, x).explain(verbose=True).splitlines()) > len(text.splitlines())
 
 

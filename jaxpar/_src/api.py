@@ -14,9 +14,10 @@ from jax.sharding import Mesh
 
 from jaxpar._src import pins as pinlib
 from jaxpar._src.context import (
-    AVAILABLE_SEARCH_MODES,
     SEARCH_MODES,
+    AlgoParameters,
     ParallelMode,
+    algo_parameters,
     current_context,
 )
 from jaxpar._src.cost import CostModel
@@ -27,8 +28,9 @@ from jaxpar._src.layout import Layout
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.plan import ShardingPlan, make_plan
+from jaxpar._src.planner import decide, load_strategies
 from jaxpar._src.rules import strategy_for_specs
-from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
+from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 from jaxpar._src.state import state_ties
 from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
@@ -44,6 +46,9 @@ class Settings:
     search_mode: str
     mesh: Mesh
     hardware: HardwareProfile
+    algo: AlgoParameters
+    ckpt_load: str  # strategy_ckpt_load_file
+    ckpt_save: str  # strategy_ckpt_save_file
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -143,12 +148,8 @@ class Parallelized:
                 f"but a JAX program sees the global batch: its gradients are the device mean "
                 f"(gradients_mean=True), which XLA all-reduces for you. Scale the loss by the "
                 f"number of devices if you want the MindSpore sum.")
-        if mode is ParallelMode.AUTO_PARALLEL and search not in AVAILABLE_SEARCH_MODES:
-            raise PlanError(
-                f"{self._api}: search_mode={search!r} is not available in this version of "
-                f"jaxpar; available: {list(AVAILABLE_SEARCH_MODES)}. Use "
-                f"search_mode='sharding_propagation' with a few in_strategy/shard pins.")
-        return Settings(mode, search, mesh, hardware)
+        return Settings(mode, search, mesh, hardware, algo_parameters(),
+                        str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file))
 
     def _strategy_mesh(self, device_num: int | None) -> Mesh | None:
         """A mesh from Layout or slice-count strategies when none is given."""
@@ -188,12 +189,20 @@ class Parallelized:
         space = SearchSpace(program.graph, model)
         pins = self._pins(args, program, mesh, space, settings, batch)
         ties = state_ties(program, args, self._static)
-        assignment = self._search(space, pins, settings, ties)
-        plan = make_plan(program.graph, assignment, space,
+        if settings.ckpt_load:
+            decision = load_strategies(settings.ckpt_load, space, api=self._api)
+        else:
+            decision = decide(space, pins, ties, mode=settings.mode,
+                              search_mode=settings.search_mode,
+                              baseline_pins=self._baseline_pins(args, program, space, settings,
+                                                                pins, names),
+                              api=self._api)
+        plan = make_plan(program.graph, decision.assignment, space,
                          device_ids=[d.id for d in mesh.devices.flat],
-                         parallel_mode=settings.mode.value,
-                         search_mode=("none" if settings.mode is ParallelMode.STAND_ALONE
-                                      else "sharding_propagation"))
+                         parallel_mode=settings.mode.value, search_mode=decision.search_mode,
+                         details=decision.details, report=decision.report)
+        if settings.ckpt_save:
+            plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
         jitted, flat_in = self._jit(program, plan, mesh, settings)
         return Compiled(program, plan, settings, jitted, flat_in,
@@ -261,13 +270,24 @@ class Parallelized:
             raise PlanError(f"{self._api}: internal error pinning node {nid} to {spec}.")
         return Pin(nid, strategy, origin)
 
-    def _search(self, space: SearchSpace, pins: list[Pin], settings: Settings,
-                ties: list[tuple[int, int]]) -> Assignment:
-        if settings.mode is ParallelMode.STAND_ALONE:
-            graph = space.graph
-            return Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
-                              {n.id: "stand_alone" for n in graph.searchable()})
-        return propagate(space, pins, ties=ties, where=self._api)
+    def _baseline_pins(self, args: tuple, program: TracedProgram, space: SearchSpace,
+                       settings: Settings, pins: list[Pin], names: list[str]
+                       ) -> list[Pin] | None:
+        """Pins of pure data parallel (plus the user's), the yardstick of the fast searches."""
+        if settings.mode is not ParallelMode.AUTO_PARALLEL:
+            return None
+        try:
+            batch = self._batch(args, program, names)
+            specs = batch_specs(program, batch, space.model.mesh, [
+                program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                for n in program.graph.inputs], api=self._api)
+        except (PlanError, StrategyError):
+            return None
+        pinned = {p.node for p in pins}
+        base = [self._pin(space, nid, "out", spec, "data_parallel")
+                for nid, spec in zip(program.graph.inputs, specs, strict=True)
+                if nid not in pinned]
+        return base + list(pins)
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
              settings: Settings) -> tuple[Any, tuple[Any, ...]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +35,6 @@ class ParallelMode(enum.StrEnum):
 
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "optimal")
-AVAILABLE_SEARCH_MODES = ("sharding_propagation",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +42,14 @@ class ParallelContext:
     """The options of the auto-parallel context; see :func:`set_auto_parallel_context`."""
 
     parallel_mode: ParallelMode = ParallelMode.STAND_ALONE  # how shardings are decided
-    search_mode: str = "sharding_propagation"  # the search used by auto_parallel
+    search_mode: str = "recursive_programming"  # the search used by auto_parallel
     device_num: int | None = None  # devices to use; None = all of jax.devices()
     global_rank: int = 0  # this process's rank (set by jaxpar.init in multi-process runs)
     gradients_mean: bool = True  # gradients are the device mean (a JAX program's own meaning)
     mesh: Mesh | None = None  # the device mesh; None = derived from strategies or device_num
     hardware: HardwareProfile | None = None  # what the cost model prices; None = CPU preset
+    strategy_ckpt_save_file: str = ""  # write the plan (JSON) here after planning
+    strategy_ckpt_load_file: str = ""  # read the plan from here instead of searching
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ParallelContext)}
@@ -80,6 +82,9 @@ def _validate(key: str, value: Any) -> Any:
     if key == "mesh" and value is not None and not isinstance(value, Mesh):
         raise ContextError(
             f"jaxpar: mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), got {value!r}.")
+    if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and \
+            not isinstance(value, (str, os.PathLike)):
+        raise ContextError(f"jaxpar: {key} must be a path, got {value!r}.")
     if key == "hardware" and value is not None and not isinstance(value, HardwareProfile):
         raise ContextError(
             f"jaxpar: hardware must be a jaxpar.HardwareProfile, got {value!r}.")

@@ -70,7 +70,9 @@ class CostModel:
         self._redistributions: dict[tuple, tuple[Collective, ...]] = {}
 
     # -- collectives --------------------------------------------------------------------------
-    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str], *,
+                   latency: bool = True) -> Collective:
+        """One ring collective; ``latency=False`` for one XLA combines with others."""
         axes = tuple(axes)
         n = self.mesh.product(axes)
         if n <= 1 or nbytes <= 0:
@@ -78,9 +80,9 @@ class CostModel:
         factor = 2.0 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
         wire = factor * nbytes
         bandwidth = min(self.hw.bandwidth(a, self.mesh) for a in axes)
-        latency = max(self.hw.latency(a, self.mesh) for a in axes)
+        alpha = max(self.hw.latency(a, self.mesh) for a in axes) if latency else 0.0
         steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
-        return Collective(kind, axes, float(nbytes), wire, steps * latency + wire / bandwidth)
+        return Collective(kind, axes, float(nbytes), wire, steps * alpha + wire / bandwidth)
 
     # -- edges --------------------------------------------------------------------------------
     def redistribution(self, src: Spec, dst: Spec, shape: tuple[int, ...], dtype: Any
@@ -105,24 +107,30 @@ class CostModel:
 
     # -- operators ----------------------------------------------------------------------------
     def op_collectives(self, strategy: OpStrategy, out_shapes: Sequence[tuple[int, ...]],
-                       out_dtypes: Sequence[Any]) -> tuple[Collective, ...]:
-        """The all-reduces that combine partial results of a split reduction factor."""
+                       out_dtypes: Sequence[Any], *, combined: bool = False
+                       ) -> tuple[Collective, ...]:
+        """The all-reduces that combine partial results of a split reduction factor.
+
+        ``combined``: the result is a gradient on its way to the optimizer; XLA's all-reduce
+        combiner merges such independent all-reduces into one, so each pays no latency of its
+        own.
+        """
         if not strategy.partial:
             return ()
         axes = tuple(a for a, _ in strategy.partial)
         out = []
         for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
             nbytes = math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
-            out.append(self.collective("all-reduce", nbytes, axes))
+            out.append(self.collective("all-reduce", nbytes, axes, latency=not combined))
         return tuple(out)
 
     def op_cost(self, rule: FactorRule, strategy: OpStrategy,
                 in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any],
                 out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
-                weight: float = 1.0) -> Cost:
+                weight: float = 1.0, combined: bool = False) -> Cost:
         split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
         flops = rule.flops / split
-        colls = self.op_collectives(strategy, out_shapes, out_dtypes)
+        colls = self.op_collectives(strategy, out_shapes, out_dtypes, combined=combined)
         memory = 0.0
         for spec, shape, dtype in zip(strategy.in_specs, in_shapes, in_dtypes, strict=True):
             memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)

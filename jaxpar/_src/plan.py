@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxpar._src.cost import Collective, CostModel
@@ -20,7 +20,6 @@ from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.search.common import Assignment, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 
-FORMAT = "jaxpar.plan/1"
 USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
 HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter",
                    "sharding_constraint"})
@@ -73,6 +72,26 @@ class OpDecision:
     weight: float
     collectives: tuple[PredictedCollective, ...]
     redistributions: tuple[Redistribution, ...]
+    flops: float = 0.0  # per device, times loop trips
+    # For searched nodes: (compute s, own collectives s, layout changes to neighbours s), and
+    # the best alternative (its layouts) with how much more it would cost, the rest fixed.
+    terms: tuple[float, float, float] | None = None
+    runner_up: tuple[tuple[Spec, ...], tuple[Spec, ...]] | None = None
+    runner_up_extra_s: float = 0.0
+
+    @property
+    def comm_time(self) -> float:
+        own = sum(c.time for c in self.collectives)
+        return own + sum(c.time for r in self.redistributions for c in r.collectives)
+
+    def runner_up_str(self) -> str:
+        if self.runner_up is None:
+            return ""
+        ins, outs = self.runner_up
+        body = "·".join(str(s) for s in ins) + " -> " + ",".join(str(s) for s in outs)
+        if self.kind in ("input", "const"):
+            body = ",".join(str(s) for s in outs)
+        return f"{body} (+{_seconds(self.runner_up_extra_s)})"
 
     @property
     def comm_bytes(self) -> float:
@@ -106,6 +125,14 @@ class ShardingPlan:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    hardware: str = "cpu"  # the HardwareProfile preset the costs were priced with
+    flops_per_s: float = 5e10  # its per-device FLOP rate
+    memory_bytes: float = 0.0  # estimated peak bytes per device
+    memory_budget: float = 0.0  # the profile's memory_per_device
+    search_s: float = 0.0  # wall seconds the search took
+    objective_s: float | None = None  # the search's simulated seconds (auto_parallel)
+    baseline_s: float | None = None  # pure data parallel's, under the same model
+    optimal: bool | None = None  # proven optimal (search_mode="optimal")
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -142,6 +169,33 @@ class ShardingPlan:
                 out.extend(r.collectives)
         return tuple(out)
 
+    def step_time(self) -> float:
+        """Simulated seconds per call: every device's compute plus every collective."""
+        compute = sum(d.flops for d in self.decisions) / self.flops_per_s
+        return compute + sum(d.comm_time for d in self.decisions)
+
+    def summary(self) -> dict[str, Any]:
+        """Totals: predicted collectives per kind, memory, simulated step time, search."""
+        comm = self.communication_summary()
+        compute = sum(d.flops for d in self.decisions) / self.flops_per_s
+        out = {
+            "mesh": str(self.mesh), "parallel_mode": self.parallel_mode,
+            "search_mode": self.search_mode, "hardware": self.hardware,
+            "collectives": comm,
+            "collective_wire_bytes": sum(v["wire_bytes"] for v in comm.values()),
+            "memory_bytes_per_device": self.memory_bytes,
+            "memory_budget_bytes": self.memory_budget,
+            "compute_s": compute, "communication_s": self.step_time() - compute,
+            "step_time_s": self.step_time(), "search_s": self.search_s,
+        }
+        if self.objective_s is not None:
+            out["objective_s"] = self.objective_s
+        if self.baseline_s is not None:
+            out["data_parallel_s"] = self.baseline_s
+        if self.optimal is not None:
+            out["proven_optimal"] = self.optimal
+        return out
+
     def communication_summary(self) -> dict[str, dict[str, float]]:
         """Per collective kind: how many run per call and the wire bytes per device."""
         table: dict[str, dict[str, float]] = collections.defaultdict(
@@ -162,6 +216,7 @@ class ShardingPlan:
         the arguments and results.  ``verbose=True`` lists every node.
         """
         rows = []
+        searched = any(d.terms is not None for d in self.decisions)
         for d in self.decisions:
             if d.kind == "control" or (d.kind == "const" and not verbose):
                 continue
@@ -177,11 +232,16 @@ class ShardingPlan:
             name = d.label if d.kind in ("input", "output") else (
                 d.name if d.kind == "op" else f"{d.kind}:{d.name}")
             loop = f" x{d.weight:g}" if d.weight != 1 else ""
-            rows.append((str(d.node), d.kind if d.kind != "op" else "", name,
-                         d.source if d.kind not in ("input", "output") else "",
-                         d.strategy_str(), _comm_str(d) + loop, d.origin))
+            row = [str(d.node), d.kind if d.kind != "op" else "", name,
+                   d.source if d.kind not in ("input", "output") else "",
+                   d.strategy_str(), _comm_str(d) + loop, d.origin]
+            if searched:
+                row += [_terms_str(d), d.runner_up_str()]
+            rows.append(tuple(row))
         header = ("#", "kind", "operator", "source", "layout (mesh axes per dim)",
                   "comm/device (est.)", "origin")
+        if searched:
+            header += ("compute / comm / layout change", "runner-up (extra cost)")
         lines = [f"ShardingPlan on mesh {self.mesh}  mode={self.parallel_mode}  "
                  f"search={self.search_mode}"]
         lines.append(_table([header] + rows))
@@ -197,6 +257,11 @@ class ShardingPlan:
             lines.append("predicted collectives: " + ", ".join(parts))
         else:
             lines.append("predicted collectives: none")
+        line = (f"simulated step time ({self.hardware}): {_seconds(self.step_time())}; "
+                f"memory per device (est.): {_bytes(self.memory_bytes)}")
+        if self.baseline_s is not None:
+            line += f"; pure data parallel: {_seconds(self.baseline_s)}"
+        lines.append(line)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -205,11 +270,15 @@ class ShardingPlan:
 
     # -- persistence --------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(_plan_to_dict(self), indent=1)
+        from jaxpar._src.plan_json import plan_to_dict
+
+        return json.dumps(plan_to_dict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        return _plan_from_dict(json.loads(text))
+        from jaxpar._src.plan_json import plan_from_dict
+
+        return plan_from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
@@ -223,10 +292,16 @@ class ShardingPlan:
 
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
               Sequence[int], parallel_mode: str, search_mode: str,
-              notes: Iterable[str] = ()) -> ShardingPlan:
-    """Assembles a plan from a search's assignment, pricing every node and edge."""
+              notes: Iterable[str] = (), details: Mapping[int, Any] | None = None,
+              report: Any = None) -> ShardingPlan:
+    """Assembles a plan from a search's assignment, pricing every node and edge.
+
+    ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
+    from the automatic searches.
+    """
     model: CostModel = space.model
     strategies = assignment.strategies
+    details = details or {}
     decisions = []
     for node in graph.nodes:
         in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
@@ -237,7 +312,8 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
             continue
         strat = strategies[node.id]
         own = model.op_collectives(strat, out_shapes,
-                                   [graph.values[v].dtype for v in node.outputs])
+                                   [graph.values[v].dtype for v in node.outputs],
+                                   combined=node.id in space.gradients)
         redists = []
         for i, operand in enumerate(node.inputs):
             if isinstance(operand, Const):
@@ -252,17 +328,36 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
             colls = model.redistribution(src, dst, value.shape, value.dtype)
             redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
                                           tuple(PredictedCollective.of(c, w) for c in colls)))
+        detail = details.get(node.id)
+        extra = {}
+        if detail is not None:
+            extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
+            if detail.runner_up is not None:
+                extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
+                extra["runner_up_extra_s"] = detail.runner_up_extra_s
         decisions.append(OpDecision(
             node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
             strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
             node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists)))
+            tuple(redists), flops=space.op_cost(node.id, strat).flops, **extra))
     unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
     notes = list(notes)
     if unreached:
         notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
+    from jaxpar._src.search.memory import peak_memory
+
+    hw = model.hw
+    stats: dict[str, Any] = {
+        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
+        "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
+        "memory_budget": float(hw.memory_per_device)}
+    if report is not None:
+        notes.extend(report.notes)
+        stats.update(search_s=report.search_s, objective_s=report.objective_s,
+                     baseline_s=report.baseline_s, optimal=report.optimal)
     return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
-                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes))
+                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes),
+                        **stats)
 
 
 # -- formatting helpers -------------------------------------------------------------------------
@@ -271,6 +366,19 @@ def _bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def _seconds(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _terms_str(d: OpDecision) -> str:
+    if d.terms is None:
+        return ""
+    return " / ".join(_seconds(t) if t else "0" for t in d.terms)
 
 
 def _comm_str(d: OpDecision) -> str:
@@ -289,59 +397,3 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
-
-
-# -- JSON ---------------------------------------------------------------------------------------
-def _coll_to(c: PredictedCollective) -> dict:
-    return dataclasses.asdict(c) | {"axes": list(c.axes)}
-
-
-def _coll_from(d: dict) -> PredictedCollective:
-    return PredictedCollective(d["kind"], tuple(d["axes"]), d["nbytes"], d["wire_bytes"],
-                               d["time"], d["count"])
-
-
-def _plan_to_dict(plan: ShardingPlan) -> dict:
-    decisions = []
-    for d in plan.decisions:
-        decisions.append({
-            "node": d.node, "kind": d.kind, "name": d.name, "source": d.source,
-            "label": d.label, "in_shapes": [list(s) for s in d.in_shapes],
-            "out_shapes": [list(s) for s in d.out_shapes],
-            "in_specs": [s.to_json() for s in d.in_specs],
-            "out_specs": [s.to_json() for s in d.out_specs], "origin": d.origin,
-            "weight": d.weight, "collectives": [_coll_to(c) for c in d.collectives],
-            "redistributions": [{
-                "producer": r.producer, "out_index": r.out_index, "consumer": r.consumer,
-                "in_index": r.in_index, "src": r.src.to_json(), "dst": r.dst.to_json(),
-                "collectives": [_coll_to(c) for c in r.collectives]} for r in d.redistributions],
-        })
-    return {"format": FORMAT, "mesh": {"names": list(plan.mesh.names),
-                                       "sizes": list(plan.mesh.sizes)},
-            "device_ids": list(plan.device_ids), "parallel_mode": plan.parallel_mode,
-            "search_mode": plan.search_mode, "inputs": list(plan.inputs),
-            "outputs": list(plan.outputs), "notes": list(plan.notes), "decisions": decisions}
-
-
-def _plan_from_dict(data: dict) -> ShardingPlan:
-    from jaxpar._src.errors import PlanError
-
-    if data.get("format") != FORMAT:
-        raise PlanError(f"jaxpar: not a plan file of format {FORMAT!r} "
-                        f"(found {data.get('format')!r}).")
-    decisions = []
-    for d in data["decisions"]:
-        decisions.append(OpDecision(
-            d["node"], d["kind"], d["name"], d["source"], d["label"],
-            tuple(tuple(s) for s in d["in_shapes"]), tuple(tuple(s) for s in d["out_shapes"]),
-            tuple(Spec.from_json(s) for s in d["in_specs"]),
-            tuple(Spec.from_json(s) for s in d["out_specs"]), d["origin"], d["weight"],
-            tuple(_coll_from(c) for c in d["collectives"]),
-            tuple(Redistribution(r["producer"], r["out_index"], r["consumer"], r["in_index"],
-                                 Spec.from_json(r["src"]), Spec.from_json(r["dst"]),
-                                 tuple(_coll_from(c) for c in r["collectives"]))
-                  for r in d["redistributions"])))
-    mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
-    return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
-                        data["search_mode"], tuple(decisions), tuple(data["inputs"]),
-                        tuple(data["outputs"]), tuple(data["notes"]))

@@ -36,6 +36,7 @@ class SearchSpace:
         self.model = model
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
+        self._gradients: frozenset[int] | None = None
 
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
@@ -53,8 +54,34 @@ class SearchSpace:
             node = self.graph.nodes[nid]
             view = _shapes(self.graph, node)
             cost = self._op_costs[key] = self.model.op_cost(
-                self.rule(nid), strategy, *view, weight=node.weight)
+                self.rule(nid), strategy, *view, weight=node.weight,
+                combined=nid in self.gradients)
         return cost
+
+    @property
+    def gradients(self) -> frozenset[int]:
+        """Operators whose results reach a non-scalar result of the program through no other
+        contraction: gradients (and the updates made from them).  Their partial-sum
+        all-reduces are independent of one another, and XLA combines them."""
+        if self._gradients is None:
+            graph = self.graph
+            seen: set[int] = set()
+            work = [n for n in graph.outputs if graph.nodes[n].inputs and
+                    graph.operand_shape(graph.nodes[n].inputs[0])]
+            while work:
+                nid = work.pop()
+                if nid in seen:
+                    continue
+                seen.add(nid)
+                node = graph.nodes[nid]
+                if node.kind == "op" and node.name in ("dot_general", "conv_general_dilated") \
+                        and nid not in graph.outputs:
+                    continue  # the contraction that made the gradient: stop here
+                for o in node.inputs:
+                    if isinstance(o, int):
+                        work.append(graph.values[o].producer)
+            self._gradients = frozenset(seen)
+        return self._gradients
 
     def edge_weight(self, producer: int, consumer: int) -> float:
         """How often a layout change on this edge runs: once per run of the rarer end."""

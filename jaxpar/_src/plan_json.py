@@ -1,0 +1,90 @@
+"""``ShardingPlan`` <-> JSON.  The format is versioned; a plan file of another format is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar._src.errors import PlanError
+from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
+from jaxpar._src.spec import MeshShape, Spec
+
+FORMAT = "jaxpar.plan/2"
+_PLAN_SCALARS = ("parallel_mode", "search_mode", "hardware", "flops_per_s", "memory_bytes",
+                 "memory_budget", "search_s", "objective_s", "baseline_s", "optimal")
+
+
+def _coll_to(c: PredictedCollective) -> dict:
+    return dataclasses.asdict(c) | {"axes": list(c.axes)}
+
+
+def _coll_from(d: dict) -> PredictedCollective:
+    return PredictedCollective(d["kind"], tuple(d["axes"]), d["nbytes"], d["wire_bytes"],
+                               d["time"], d["count"])
+
+
+def _specs(specs: Any) -> list:
+    return [s.to_json() for s in specs]
+
+
+def _unspecs(data: Any) -> tuple[Spec, ...]:
+    return tuple(Spec.from_json(s) for s in data)
+
+
+def _decision_to(d: OpDecision) -> dict:
+    out = {
+        "node": d.node, "kind": d.kind, "name": d.name, "source": d.source, "label": d.label,
+        "in_shapes": [list(s) for s in d.in_shapes], "out_shapes": [list(s) for s in d.out_shapes],
+        "in_specs": _specs(d.in_specs), "out_specs": _specs(d.out_specs), "origin": d.origin,
+        "weight": d.weight, "flops": d.flops,
+        "collectives": [_coll_to(c) for c in d.collectives],
+        "redistributions": [{
+            "producer": r.producer, "out_index": r.out_index, "consumer": r.consumer,
+            "in_index": r.in_index, "src": r.src.to_json(), "dst": r.dst.to_json(),
+            "collectives": [_coll_to(c) for c in r.collectives]} for r in d.redistributions],
+    }
+    if d.terms is not None:
+        out["terms"] = list(d.terms)
+    if d.runner_up is not None:
+        out["runner_up"] = [_specs(d.runner_up[0]), _specs(d.runner_up[1])]
+        out["runner_up_extra_s"] = d.runner_up_extra_s
+    return out
+
+
+def _decision_from(d: dict) -> OpDecision:
+    return OpDecision(
+        d["node"], d["kind"], d["name"], d["source"], d["label"],
+        tuple(tuple(s) for s in d["in_shapes"]), tuple(tuple(s) for s in d["out_shapes"]),
+        _unspecs(d["in_specs"]), _unspecs(d["out_specs"]), d["origin"], d["weight"],
+        tuple(_coll_from(c) for c in d["collectives"]),
+        tuple(Redistribution(r["producer"], r["out_index"], r["consumer"], r["in_index"],
+                             Spec.from_json(r["src"]), Spec.from_json(r["dst"]),
+                             tuple(_coll_from(c) for c in r["collectives"]))
+              for r in d["redistributions"]),
+        flops=d.get("flops", 0.0),
+        terms=tuple(d["terms"]) if "terms" in d else None,
+        runner_up=(_unspecs(d["runner_up"][0]), _unspecs(d["runner_up"][1]))
+        if "runner_up" in d else None,
+        runner_up_extra_s=d.get("runner_up_extra_s", 0.0))
+
+
+def plan_to_dict(plan: ShardingPlan) -> dict:
+    out = {"format": FORMAT,
+           "mesh": {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)},
+           "device_ids": list(plan.device_ids), "inputs": list(plan.inputs),
+           "outputs": list(plan.outputs), "notes": list(plan.notes)}
+    out.update({k: getattr(plan, k) for k in _PLAN_SCALARS})
+    out["decisions"] = [_decision_to(d) for d in plan.decisions]
+    return out
+
+
+def plan_from_dict(data: dict) -> ShardingPlan:
+    if data.get("format") != FORMAT:
+        raise PlanError(f"jaxpar: not a plan file of format {FORMAT!r} "
+                        f"(found {data.get('format')!r}).")
+    mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
+    return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
+                        data["search_mode"], tuple(_decision_from(d) for d in data["decisions"]),
+                        tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
+                        **{k: data[k] for k in _PLAN_SCALARS if k not in ("parallel_mode",
+                                                                          "search_mode")})

@@ -1,0 +1,83 @@
+"""Choosing every node's strategy for a mode, and MindSpore's strategy checkpoint files.
+
+* ``stand_alone``: everything replicated on one device;
+* ``data_parallel`` and ``semi_auto_parallel``: sharding propagation from the pins;
+* ``auto_parallel``: ``sharding_propagation``, or one of the searches (``recursive_programming``,
+  ``dynamic_programming``, ``optimal``) over the coarse problem;
+* ``strategy_ckpt_load_file``: the strategies of a saved plan, checked against this program,
+  instead of any search (MindSpore's ``strategy_ckpt_load_file``); ``strategy_ckpt_save_file``
+  writes the plan after planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxpar._src.context import ParallelMode, algo_parameters
+from jaxpar._src.errors import PlanError
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.rules import strategy_for_specs
+from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
+from jaxpar._src.search.auto import auto_search
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    assignment: Assignment
+    search_mode: str  # what decided: "none", "sharding_propagation", a search, or a file
+    report: Any = None  # SearchReport of an automatic search
+    details: Any = None  # per node: cost terms and runner-up
+
+
+def decide(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]], *,
+           mode: ParallelMode, search_mode: str, baseline_pins: Sequence[Pin] | None,
+           api: str) -> Decision:
+    graph = space.graph
+    if mode is ParallelMode.STAND_ALONE:
+        return Decision(Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
+                                   {n.id: "stand_alone" for n in graph.searchable()}), "none")
+    if mode is not ParallelMode.AUTO_PARALLEL or search_mode == "sharding_propagation":
+        return Decision(propagate(space, pins, ties=ties, where=api), "sharding_propagation")
+    algo = algo_parameters()
+    assignment, report, details = auto_search(
+        space, pins, search_mode=search_mode, ties=ties, baseline_pins=baseline_pins,
+        fully_use_devices=algo.fully_use_devices)
+    return Decision(assignment, search_mode, report, details)
+
+
+def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
+    """The strategies of the plan saved at ``path``, checked node by node against this graph."""
+    try:
+        saved = ShardingPlan.load(path)
+    except FileNotFoundError:
+        raise PlanError(f"{api}: strategy_ckpt_load_file {path!r} does not exist.") from None
+    graph = space.graph
+    mesh = space.model.mesh
+    if saved.mesh != mesh:
+        raise PlanError(f"{api}: the strategy file {path!r} was made for mesh {saved.mesh}, "
+                        f"this program runs on mesh {mesh}.")
+    if len(saved.decisions) != len(graph.nodes):
+        raise PlanError(f"{api}: the strategy file {path!r} has {len(saved.decisions)} nodes; "
+                        f"this program has {len(graph.nodes)}. It was made for another program "
+                        f"or other argument shapes.")
+    strategies, origins = {}, {}
+    for node, d in zip(graph.nodes, saved.decisions, strict=True):
+        shapes = tuple(graph.values[v].shape for v in node.outputs)
+        if (node.kind, node.name, shapes) != (d.kind, d.name, d.out_shapes):
+            raise PlanError(
+                f"{api}: the strategy file {path!r} does not match this program at node "
+                f"{node.id}: here {node.kind} {node.name} {list(shapes)} ({node.source}), in the "
+                f"file {d.kind} {d.name} {[list(s) for s in d.out_shapes]}.")
+        if node.kind == "control":
+            continue
+        specs = {("in", i): s for i, s in enumerate(d.in_specs)}
+        specs.update({("out", j): s for j, s in enumerate(d.out_specs)})
+        strategy = strategy_for_specs(space.rule(node.id), specs, mesh)
+        if strategy is None:
+            raise PlanError(f"{api}: the strategy file {path!r} gives node {node.id} "
+                            f"({node.name} at {node.source}) layouts its rule does not allow.")
+        strategies[node.id] = strategy
+        origins[node.id] = f"loaded ({d.origin})" if d.origin else "loaded"
+    return Decision(Assignment(strategies, origins), f"loaded:{saved.search_mode}")

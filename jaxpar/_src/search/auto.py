@@ -1,0 +1,213 @@
+"""``auto_parallel``: run the chosen search on the coarse problem, keep memory within budget.
+
+Every search respects the pins.  Two safeguards make the fast searches honest: the plan is never
+worse than pure data parallel under the same cost model (when the batch is known, that plan is
+priced too and kept if cheaper, and the report says so), and it must fit the device memory
+(``HardwareProfile.memory_per_device``): a plan that does not is re-solved with memory priced in
+(the exact search adds the violated memory constraint instead) until one fits, or jaxpar raises
+with the budget and the smallest plan it found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxpar._src.errors import PlanError
+from jaxpar._src.rules import OpStrategy
+from jaxpar._src.search.common import Assignment, Pin, SearchSpace
+from jaxpar._src.search.elimination import solve_elimination
+from jaxpar._src.search.memory import live_ranges, peak_memory
+from jaxpar._src.search.optimal import solve_optimal
+from jaxpar._src.search.problem import Problem, build_problem
+from jaxpar._src.search.propagation import propagate
+from jaxpar._src.search.recursive import solve_recursive
+
+SHARE_LAYERS_ABOVE = 600  # coarse nodes: beyond this the exact search shares repeated layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Detail:
+    """Why one node got its strategy: its cost terms and the best alternative."""
+
+    compute_s: float
+    comm_s: float  # its own collectives
+    redistribution_s: float  # layout changes to its neighbours' choices
+    runner_up: OpStrategy | None
+    runner_up_extra_s: float  # how much more the runner-up would cost, the rest fixed
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchReport:
+    """What a search did."""
+
+    search_mode: str
+    objective_s: float  # simulated seconds per call under the cost model
+    search_s: float  # wall seconds the search took
+    nodes: int  # coarse nodes searched
+    memory_bytes: float  # estimated peak bytes per device
+    memory_budget: float
+    optimal: bool | None = None  # proven optimal (the exact search)
+    baseline_s: float | None = None  # pure data parallel under the same model
+    used_baseline: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
+                ties: Sequence[tuple[int, int]] = (), baseline_pins: Sequence[Pin] | None = None,
+                fully_use_devices: bool = True, time_limit: float = 300.0
+                ) -> tuple[Assignment, SearchReport, dict[int, Detail]]:
+    t0 = time.perf_counter()
+    problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
+    if search_mode == "optimal" and len(problem.reps) <= SHARE_LAYERS_ABOVE:
+        problem.groups = []
+    graph, mesh = space.graph, space.model.mesh
+    budget = float(space.model.hw.memory_per_device)
+    notes: list[str] = []
+    optimal = None
+
+    def memory_of(choice: Mapping[int, int]) -> float:
+        return peak_memory(graph, problem.expand(choice), mesh).peak
+
+    if search_mode == "optimal":
+        result = solve_optimal(problem, time_limit=time_limit)
+        choice, optimal = result.choice, result.optimal
+        if not result.optimal:
+            notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
+                         f"relative gap {result.gap:.3g}")
+        cuts = []
+        for _ in range(20):
+            est = peak_memory(graph, problem.expand(choice), mesh)
+            if est.peak <= budget:
+                break
+            cuts.append(_memory_cut(problem, est.at, budget))
+            result = solve_optimal(problem, time_limit=time_limit, extra_rows=cuts)
+            choice, optimal = result.choice, result.optimal
+    else:
+        solver = _SOLVERS[search_mode]
+        choice = solver(problem, 0.0)
+        if baseline_pins is not None:
+            base = _baseline(space, problem, baseline_pins, ties)
+            if base is not None:
+                base_obj = problem.objective(base)
+                if base_obj < problem.objective(choice) - 1e-15:
+                    choice = base
+                    notes.append("pure data parallel was cheaper than the search's plan under "
+                                 "the cost model, and is used")
+        if memory_of(choice) > budget:
+            choice = _fit_memory(problem, choice, solver, budget, memory_of)
+    est = peak_memory(graph, problem.expand(choice), mesh)
+    if est.peak > budget:
+        raise PlanError(
+            f"jaxpar ({search_mode}): no plan fits the memory budget of "
+            f"{budget / 2**30:.3g} GiB per device (HardwareProfile.memory_per_device); the "
+            f"smallest plan found needs {est.peak / 2**30:.3g} GiB. Use more devices, a "
+            f"smaller batch, or raise memory_per_device.")
+    baseline_s = None
+    used_baseline = any("data parallel" in n for n in notes)
+    if baseline_pins is not None:
+        base = _baseline(space, problem, baseline_pins, ties)
+        baseline_s = problem.objective(base) if base is not None else None
+    strategies = problem.expand(choice)
+    origins = {n: problem.origins.get(n, search_mode) for n in strategies}
+    for f, (rep, _) in problem.follow.items():
+        if f not in problem.origins:
+            origins[f] = f"{search_mode} (follows {graph.nodes[rep].name} #{rep})"
+    report = SearchReport(search_mode, problem.objective(choice), time.perf_counter() - t0,
+                          len(problem.reps), est.peak, budget, optimal, baseline_s,
+                          used_baseline, tuple(notes))
+    return Assignment(strategies, origins), report, _details(problem, choice)
+
+
+def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
+    return solve_recursive(_priced(problem, price))
+
+
+def _solve_elimination(problem: Problem, price: float) -> dict[int, int]:
+    return solve_elimination(problem, memory_price=price)[0]
+
+
+_SOLVERS: dict[str, Callable[[Problem, float], dict[int, int]]] = {
+    "recursive_programming": _solve_recursive,
+    "dynamic_programming": _solve_elimination,
+}
+
+
+def _priced(problem: Problem, price: float) -> Problem:
+    if price == 0.0:
+        return problem
+    cost = {r: problem.cost[r] + price * problem.mem[r] for r in problem.reps}
+    return dataclasses.replace(problem, cost=cost)
+
+
+def _fit_memory(problem: Problem, choice: dict[int, int], solver: Callable, budget: float,
+                memory_of: Callable) -> dict[int, int]:
+    """Re-solves with memory priced in, cheapest price first, until the plan fits."""
+    objective = max(problem.objective(choice), 1e-12)
+    peak = max(memory_of(choice), 1.0)
+    smallest = choice
+    for scale in 10.0 ** np.arange(-3, 7):
+        candidate = solver(problem, scale * objective / peak)
+        if memory_of(candidate) <= budget:
+            return candidate
+        if memory_of(candidate) < memory_of(smallest):
+            smallest = candidate
+    return smallest
+
+
+def _memory_cut(problem: Problem, position: int, budget: float
+                ) -> tuple[dict[int, np.ndarray], float]:
+    """The linear constraint: bytes live at ``position`` stay within ``budget``."""
+    graph = problem.space.graph
+    mesh = problem.space.model.mesh
+    coeffs: dict[int, np.ndarray] = {}
+    for vid, first, stop in live_ranges(graph):
+        if not first <= position <= stop:
+            continue
+        v = graph.values[vid]
+        producer = v.producer
+        rep = problem.follow[producer][0] if producer in problem.follow else producer
+        vec = np.zeros(len(problem.cands[rep]))
+        for k in range(len(vec)):
+            idx = int(problem.follow[producer][1][k]) if producer in problem.follow else k
+            spec = problem.cands[producer][idx].out_specs[v.index]
+            vec[k] = v.nbytes * spec.shard_fraction(mesh)
+        coeffs[rep] = coeffs.get(rep, 0) + vec
+    return coeffs, budget
+
+
+def _baseline(space: SearchSpace, problem: Problem, pins: Sequence[Pin],
+              ties: Sequence[tuple[int, int]]) -> dict[int, int] | None:
+    """Pure data parallel (batch split over every device, the rest propagated)."""
+    try:
+        assignment = propagate(space, pins, ties=ties)
+    except PlanError:
+        return None
+    return problem.choice_of(assignment.strategies)
+
+
+def _details(problem: Problem, choice: Mapping[int, int]) -> dict[int, Detail]:
+    space = problem.space
+    hw = space.model.hw
+    adjacency = problem.neighbours()
+    out = {}
+    for r in problem.reps:
+        total = problem.cost[r].copy()
+        redist = np.zeros_like(total)
+        for u in adjacency[r]:
+            m = problem.edges[(r, u)] if r < u else problem.edges[(u, r)].T
+            redist += m[:, choice[u]]
+        total += redist
+        k = choice[r]
+        strategy = problem.cands[r][k]
+        cost = space.op_cost(r, strategy)
+        compute = cost.flops / hw.flops_per_s
+        others = [i for i in np.argsort(total) if i != k and r not in problem.forced]
+        runner = int(others[0]) if others else None
+        out[r] = Detail(compute, cost.comm_time, float(redist[k]),
+                        problem.cands[r][runner] if runner is not None else None,
+                        float(total[runner] - total[k]) if runner is not None else 0.0)
+    return out

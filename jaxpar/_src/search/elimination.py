@@ -1,0 +1,169 @@
+"""``search_mode="dynamic_programming"``: MindSpore's elimination dynamic programming.
+
+The coarse graph is shrunk one node at a time, each elimination folding a node's costs into its
+neighbours and recording, for every choice of what remains, the best choice of what went:
+
+* parallel edges between two nodes are summed (MindSpore's *edge elimination*);
+* a node with one neighbour is folded into it (*merge* / *contract elimination*);
+* a node with two neighbours becomes an edge between them (*operator elimination*; when the two
+  are already joined this is the *triangle elimination*);
+* when every node has three or more neighbours, two neighbours that share the most neighbours
+  are merged into one node whose candidates are their pairs (exact; this turns the ladder a
+  forward and a backward pass make into a chain), as long as the pair list stays small;
+* otherwise the lightest node is folded into its heaviest neighbour, its own choice fixed per
+  choice of that neighbour (*star elimination*, the only approximate step).
+
+A node left alone takes its cheapest candidate; the recorded decisions are then replayed in
+reverse to recover every choice.  Without star eliminations (chains, trees, series-parallel
+graphs, ladders) the result is the exact optimum of the cost model; the statistics say how many
+star eliminations a solve needed.  Costs are seconds of
+compute plus communication; the memory limit is applied by the caller, which re-solves with
+memory priced in when a plan does not fit.
+
+References: MindSpore ``auto_parallel/dp_algo_costmodel.cc``, ``graph_costmodel.cc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar._src.search.problem import Problem
+
+PAIR_LIMIT = 4096  # largest candidate list a merged pair of nodes may have
+
+
+@dataclasses.dataclass
+class EliminationStats:
+    leaf: int = 0
+    operator: int = 0
+    pair: int = 0
+    star: int = 0
+
+
+def solve_elimination(problem: Problem, *, memory_price: float = 0.0
+                      ) -> tuple[dict[int, int], EliminationStats]:
+    cost = {r: problem.cost[r] + memory_price * problem.mem[r] for r in problem.reps}
+    for r, k in problem.forced.items():
+        mask = np.full(len(cost[r]), np.inf)
+        mask[k] = 0.0
+        cost[r] = cost[r] + mask
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    adjacency: dict[int, set[int]] = {r: set() for r in problem.reps}
+    for (u, v), m in problem.edges.items():
+        edges[(u, v)] = m.copy()
+        adjacency[u].add(v)
+        adjacency[v].add(u)
+
+    def edge(a: int, b: int) -> np.ndarray:
+        return edges[(a, b)] if a < b else edges[(b, a)].T
+
+    def add_edge(a: int, b: int, m: np.ndarray) -> None:
+        key, m = ((a, b), m) if a < b else ((b, a), m.T)
+        edges[key] = edges[key] + m if key in edges else m
+        adjacency[a].add(b)
+        adjacency[b].add(a)
+
+    def drop(v: int) -> None:
+        for u in adjacency.pop(v):
+            adjacency[u].discard(v)
+            edges.pop((u, v) if u < v else (v, u), None)
+
+    stats = EliminationStats()
+    records: list[tuple] = []
+    alive = set(problem.reps)
+    next_id = max(problem.reps, default=0) + 1  # ids of merged pairs
+    while alive:
+        v = min(alive, key=lambda n: (len(adjacency[n]), n))
+        nbrs = sorted(adjacency[v])
+        if len(nbrs) == 0:
+            records.append(("root", v, int(np.argmin(cost[v]))))
+        elif len(nbrs) == 1:
+            (u,) = nbrs
+            total = edge(u, v) + cost[v][None, :]
+            best = np.argmin(total, axis=1)
+            cost[u] = cost[u] + total[np.arange(total.shape[0]), best]
+            records.append(("leaf", v, u, best))
+            stats.leaf += 1
+        elif len(nbrs) == 2:
+            u, w = nbrs
+            total = edge(u, v)[:, :, None] + cost[v][None, :, None] + edge(v, w)[None, :, :]
+            best = np.argmin(total, axis=1)
+            new = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
+            records.append(("operator", v, u, w, best))
+            drop(v)
+            alive.discard(v)
+            add_edge(u, w, new)
+            stats.operator += 1
+            continue
+        else:
+            pair = _best_pair(adjacency, cost)
+            if pair is not None:
+                a, b = pair
+                p = next_id
+                next_id += 1
+                nb = len(cost[b])
+                joint = cost[a][:, None] + cost[b][None, :] + edge(a, b)
+                cost[p] = joint.reshape(-1)
+                adjacency[p] = set()
+                for w in (adjacency[a] | adjacency[b]) - {a, b}:
+                    m = 0.0
+                    if w in adjacency[a]:
+                        m = m + edge(a, w)[:, None, :]
+                    if w in adjacency[b]:
+                        m = m + edge(b, w)[None, :, :]
+                    m = np.broadcast_to(m, (len(cost[a]), nb, len(cost[w])))
+                    add_edge(p, w, m.reshape(-1, len(cost[w])))
+                drop(a)
+                drop(b)
+                alive -= {a, b}
+                alive.add(p)
+                records.append(("pair", p, a, b, nb))
+                stats.pair += 1
+                continue
+            # Star: fix v's choice per choice of its heaviest neighbour, estimating the others.
+            u = max(nbrs, key=lambda n: float(np.max(edge(n, v))))
+            others = [w for w in nbrs if w != u]
+            outlook = cost[v] + sum(np.min(edge(v, w), axis=1) for w in others)
+            total = edge(u, v) + outlook[None, :]
+            best = np.argmin(total, axis=1)
+            cost[u] = cost[u] + edge(u, v)[np.arange(len(best)), best] + cost[v][best]
+            for w in others:
+                add_edge(u, w, edge(v, w)[best, :])
+            records.append(("star", v, u, best))
+            stats.star += 1
+        drop(v)
+        alive.discard(v)
+    choice: dict[int, int] = {}
+    for rec in reversed(records):
+        kind, v = rec[0], rec[1]
+        if kind == "root":
+            choice[v] = rec[2]
+        elif kind in ("leaf", "star"):
+            choice[v] = int(rec[3][choice[rec[2]]])
+        elif kind == "pair":
+            _, p, a, b, nb = rec
+            choice[a], choice[b] = divmod(choice.pop(p), nb)
+        else:
+            _, _, u, w, best = rec
+            choice[v] = int(best[choice[u], choice[w]])
+    return {r: int(choice[r]) for r in problem.reps}, stats
+
+
+def _best_pair(adjacency: dict[int, set[int]], cost: dict[int, np.ndarray]
+               ) -> tuple[int, int] | None:
+    """Two neighbours whose merge removes the most edges, if their pair list is small."""
+    best, best_key = None, None
+    for a, nbrs in adjacency.items():
+        for b in nbrs:
+            if b <= a:
+                continue
+            size = len(cost[a]) * len(cost[b])
+            if size > PAIR_LIMIT:
+                continue
+            shared = len(nbrs & adjacency[b])
+            key = (-shared, size, a, b)
+            if best_key is None or key < best_key:
+                best, best_key = (a, b), key
+    return best

@@ -1,0 +1,262 @@
+"""The search problem shared by the fully automatic searches.
+
+From the operator graph and the cost model it builds a smaller *coarse graph*:
+
+* every searchable node gets its candidate strategies, a pinned node exactly one.
+  ``fully_use_devices`` (MindSpore's algorithm parameter, on by default) keeps only strategies
+  that split an operator over every device or none, and makes contractions (``dot_general``,
+  convolutions: the work worth splitting) split over every device when they can;
+* a node that only passes one input through (an elementwise operator of one tensor, a
+  conversion, an unpinned result) **follows** its producer: it is folded into the producer,
+  taking, for each of the producer's candidates, the candidate that matches it exactly; a state
+  result follows the argument it returns instead, so train steps chain without resharding;
+* node costs are simulated seconds (compute at the device's FLOP rate plus the operator's own
+  collectives, times loop trips); edge costs are the seconds of layout changes between two
+  candidates, priced once per pair of distinct port layouts;
+* operators that repeat (the same source line, primitive, shapes and rule: one per unrolled
+  layer) form *groups* that a search may give one shared strategy.
+
+A search picks one candidate index per coarse node; :meth:`Problem.expand` turns that into a
+strategy for every node of the graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxpar._src.graph import Const
+from jaxpar._src.rules import OpStrategy
+from jaxpar._src.search.common import Pin, SearchSpace
+from jaxpar._src.spec import Spec
+
+
+@dataclasses.dataclass
+class Problem:
+    """Coarse graph: candidates, node and edge costs, pins, followers and groups."""
+
+    space: SearchSpace
+    reps: list[int]  # coarse nodes (graph node ids), in graph order
+    cands: dict[int, tuple[OpStrategy, ...]]
+    cost: dict[int, np.ndarray]  # seconds per candidate, followers and inner edges included
+    mem: dict[int, np.ndarray]  # bytes per device per candidate (results it holds)
+    edges: dict[tuple[int, int], np.ndarray]  # (u, v), u < v: seconds per candidate pair
+    follow: dict[int, tuple[int, np.ndarray]]  # follower -> (rep, rep candidate -> own index)
+    forced: dict[int, int]  # rep -> the only allowed candidate index (pins)
+    groups: list[list[int]]  # reps that may share one strategy
+    origins: dict[int, str]  # pin origins
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def objective(self, choice: Mapping[int, int]) -> float:
+        total = sum(float(self.cost[r][choice[r]]) for r in self.reps)
+        for (u, v), m in self.edges.items():
+            total += float(m[choice[u], choice[v]])
+        return total
+
+    def memory(self, choice: Mapping[int, int]) -> float:
+        return sum(float(self.mem[r][choice[r]]) for r in self.reps)
+
+    def neighbours(self) -> dict[int, set[int]]:
+        adj: dict[int, set[int]] = {r: set() for r in self.reps}
+        for u, v in self.edges:
+            adj[u].add(v)
+            adj[v].add(u)
+        return adj
+
+    def expand(self, choice: Mapping[int, int]) -> dict[int, OpStrategy]:
+        """A strategy for every searchable node of the graph."""
+        out = {r: self.cands[r][choice[r]] for r in self.reps}
+        for f, (rep, index_map) in self.follow.items():
+            out[f] = self.cands[f][int(index_map[choice[rep]])]
+        return out
+
+    def choice_of(self, strategies: Mapping[int, OpStrategy]) -> dict[int, int] | None:
+        """The candidate indices of a full assignment, if every rep's strategy is a candidate."""
+        out = {}
+        for r in self.reps:
+            try:
+                out[r] = self.cands[r].index(strategies[r])
+            except ValueError:
+                return None
+        return out
+
+
+def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tuple[int, int]] = (),
+                  fully_use_devices: bool = True, share_layers: bool = True) -> Problem:
+    graph = space.graph
+    mesh = space.model.mesh
+    pinned = {p.node: p for p in pins}
+    searchable = [n.id for n in graph.searchable()]
+    cands: dict[int, tuple[OpStrategy, ...]] = {}
+    for nid in searchable:
+        if nid in pinned:
+            cands[nid] = (pinned[nid].strategy,)
+            continue
+        options = space.candidates(nid)
+        if fully_use_devices and graph.nodes[nid].kind == "op":
+            options = _use_all_devices(options, mesh, graph.nodes[nid].name in CONTRACTIONS)
+        cands[nid] = options
+
+    # -- followers ----------------------------------------------------------------------------
+    tied_to_input = {out: inp for inp, out in ties}
+    follow: dict[int, tuple[int, np.ndarray]] = {}
+    for nid in searchable:
+        if nid in pinned:
+            continue
+        node = graph.nodes[nid]
+        if nid in tied_to_input and tied_to_input[nid] in cands:
+            leader, j, i = tied_to_input[nid], 0, 0
+        else:
+            leader_port = _pass_through(space, nid)
+            if leader_port is None:
+                continue
+            leader, j, i = leader_port
+        rep, base = leader, None
+        if leader in follow:
+            rep, base = follow[leader]
+        rep_cands = cands[rep]
+        leader_cands = cands[leader]
+        own = {c.in_specs[i]: k for k, c in enumerate(cands[nid])}
+        index = np.empty(len(rep_cands), dtype=np.int64)
+        ok = True
+        for k in range(len(rep_cands)):
+            lead = leader_cands[k if base is None else int(base[k])]
+            match = own.get(lead.out_specs[j])
+            if match is None:
+                ok = False
+                break
+            index[k] = match
+        if ok and node.kind != "control":
+            follow[nid] = (rep, index)
+
+    reps = [n for n in searchable if n not in follow]
+
+    def resolve(nid: int, k: int) -> OpStrategy:
+        """The strategy of node ``nid`` when its rep takes candidate ``k``."""
+        if nid in follow:
+            return cands[nid][int(follow[nid][1][k])]
+        return cands[nid][k]
+
+    def rep_of(nid: int) -> int:
+        return follow[nid][0] if nid in follow else nid
+
+    # -- node costs ---------------------------------------------------------------------------
+    hw = space.model.hw
+    cost = {r: np.zeros(len(cands[r])) for r in reps}
+    mem = {r: np.zeros(len(cands[r])) for r in reps}
+    members: dict[int, list[int]] = collections.defaultdict(list)
+    for nid in searchable:
+        members[rep_of(nid)].append(nid)
+    for r in reps:
+        for k in range(len(cands[r])):
+            t = m = 0.0
+            for nid in members[r]:
+                strategy = resolve(nid, k)
+                c = space.op_cost(nid, strategy)
+                t += c.time(hw)
+                m += _result_bytes(space, nid, strategy)
+            cost[r][k] = t
+            mem[r][k] = m
+
+    # -- edges --------------------------------------------------------------------------------
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for producer, j, consumer, i in graph.edges():
+        if graph.nodes[consumer].kind == "control" or producer == consumer:
+            continue
+        ru, rv = rep_of(producer), rep_of(consumer)
+        src = [resolve(producer, k).out_specs[j] for k in range(len(cands[ru]))]
+        dst = [resolve(consumer, k).in_specs[i] for k in range(len(cands[rv]))]
+        if ru == rv:
+            for k in range(len(cands[ru])):
+                if src[k] != dst[k]:
+                    cost[ru][k] += space.edge_time(producer, j, src[k], consumer, dst[k])
+            continue
+        matrix = _edge_matrix(space, producer, j, consumer, src, dst)
+        if not matrix.any():
+            continue
+        key, m = ((ru, rv), matrix) if ru < rv else ((rv, ru), matrix.T)
+        edges[key] = edges[key] + m if key in edges else m
+
+    forced = {r: 0 for r in reps if r in pinned}
+    groups = _layer_groups(space, reps, cands, forced) if share_layers else []
+    origins = {p.node: p.origin for p in pins}
+    return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins)
+
+
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _use_all_devices(options: tuple[OpStrategy, ...], mesh, contraction: bool
+                     ) -> tuple[OpStrategy, ...]:
+    """MindSpore's ``fully_use_devices``: a strategy splits over every device or none; a
+    contraction (the work worth splitting) must split over every device when it can."""
+    n = mesh.num_devices
+    used = [mesh.product(a for axes in c.factor_axes for a in axes) for c in options]
+    full = tuple(c for c, u in zip(options, used, strict=True) if u == n)
+    if contraction and full:
+        return full
+    keep = tuple(c for c, u in zip(options, used, strict=True) if u in (1, n))
+    return keep or options
+
+
+def _result_bytes(space: SearchSpace, nid: int, strategy: OpStrategy) -> float:
+    graph = space.graph
+    total = 0.0
+    for vid, spec in zip(graph.nodes[nid].outputs, strategy.out_specs, strict=True):
+        total += graph.values[vid].nbytes * spec.shard_fraction(space.model.mesh)
+    return total
+
+
+def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
+    """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on."""
+    graph = space.graph
+    node = graph.nodes[nid]
+    if node.kind not in ("op", "output", "exit") or len(node.outputs) > 1:
+        return None
+    values = [(i, o) for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
+    if len(values) != 1:
+        return None
+    i, operand = values[0]
+    if node.kind == "op":
+        rule = space.rule(nid)
+        if rule.reductions or rule.blocked:
+            return None
+        if node.outputs and rule.operands[i] != rule.results[0]:
+            return None
+        others = [t for k, t in enumerate(rule.operands) if k != i]
+        if any(any(d) for t in others for d in t):
+            return None
+    elif node.kind == "exit" and node.name not in ("carry_out",):
+        return None
+    v = graph.values[operand]
+    return v.producer, v.index, i
+
+
+def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,
+                 src: Sequence[Spec], dst: Sequence[Spec]) -> np.ndarray:
+    src_ids: dict[Spec, int] = {}
+    dst_ids: dict[Spec, int] = {}
+    iu = np.array([src_ids.setdefault(s, len(src_ids)) for s in src], dtype=np.int64)
+    iv = np.array([dst_ids.setdefault(s, len(dst_ids)) for s in dst], dtype=np.int64)
+    table = np.zeros((len(src_ids), len(dst_ids)))
+    for a, sa in enumerate(src_ids):
+        for b, sb in enumerate(dst_ids):
+            if sa != sb:
+                table[a, b] = space.edge_time(producer, j, sa, consumer, sb)
+    return table[iu][:, iv]
+
+
+def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, forced: Mapping
+                  ) -> list[list[int]]:
+    """Operators that repeat once per layer: same source, primitive, shapes and rule."""
+    graph = space.graph
+    buckets: dict[tuple, list[int]] = collections.defaultdict(list)
+    for r in reps:
+        node = graph.nodes[r]
+        if node.kind != "op" or r in forced or node.source == "?":
+            continue
+        buckets[(node.name, node.source, space.rule(r), node.weight, cands[r])].append(r)
+    return [g for g in buckets.values() if len(g) > 1]
