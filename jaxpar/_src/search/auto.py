@@ -89,37 +89,41 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
     else:
         solver = _SOLVERS[search_mode]
         choice = solver(problem, 0.0)
-        if baseline_pins is not None:
-            base = _baseline(space, problem, baseline_pins, ties)
-            if base is not None:
-                base_obj = problem.objective(base)
-                if base_obj < problem.objective(choice) - 1e-15:
-                    choice = base
-                    notes.append("pure data parallel was cheaper than the search's plan under "
-                                 "the cost model, and is used")
         if memory_of(choice) > budget:
             choice = _fit_memory(problem, choice, solver, budget, memory_of)
-    est = peak_memory(graph, problem.expand(choice), mesh)
+    strategies = problem.expand(choice)
+    est = peak_memory(graph, strategies, mesh)
+    objective = space.total_time(strategies)
+    details = _details(problem, choice)
+    baseline_s = None
+    used_baseline = False
+    if baseline_pins is not None:
+        base = _baseline(space, baseline_pins, ties)
+        if base is not None:
+            baseline_s = space.total_time(base)
+            base_est = peak_memory(graph, base, mesh)
+            if baseline_s < objective * (1 - 1e-9) and base_est.peak <= budget:
+                # Possible when the baseline uses strategies fully_use_devices leaves out.
+                strategies, est, objective, details = base, base_est, baseline_s, {}
+                used_baseline, optimal = True, False
+                notes.append("pure data parallel was cheaper than the search's plan under "
+                             "the cost model, and is used")
     if est.peak > budget:
         raise PlanError(
             f"jaxpar ({search_mode}): no plan fits the memory budget of "
             f"{budget / 2**30:.3g} GiB per device (HardwareProfile.memory_per_device); the "
             f"smallest plan found needs {est.peak / 2**30:.3g} GiB. Use more devices, a "
             f"smaller batch, or raise memory_per_device.")
-    baseline_s = None
-    used_baseline = any("data parallel" in n for n in notes)
-    if baseline_pins is not None:
-        base = _baseline(space, problem, baseline_pins, ties)
-        baseline_s = problem.objective(base) if base is not None else None
-    strategies = problem.expand(choice)
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
-    for f, (rep, _) in problem.follow.items():
-        if f not in problem.origins:
-            origins[f] = f"{search_mode} (follows {graph.nodes[rep].name} #{rep})"
-    report = SearchReport(search_mode, problem.objective(choice), time.perf_counter() - t0,
-                          len(problem.reps), est.peak, budget, optimal, baseline_s,
-                          used_baseline, tuple(notes))
-    return Assignment(strategies, origins), report, _details(problem, choice)
+    if used_baseline:
+        origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
+    else:
+        for f, (rep, _) in problem.follow.items():
+            if f not in problem.origins:
+                origins[f] = f"{search_mode} (follows #{rep})"
+    report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
+                          est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
+    return Assignment(strategies, origins), report, details
 
 
 def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
@@ -179,14 +183,13 @@ def _memory_cut(problem: Problem, position: int, budget: float
     return coeffs, budget
 
 
-def _baseline(space: SearchSpace, problem: Problem, pins: Sequence[Pin],
-              ties: Sequence[tuple[int, int]]) -> dict[int, int] | None:
-    """Pure data parallel (batch split over every device, the rest propagated)."""
+def _baseline(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]]
+              ) -> dict[int, OpStrategy] | None:
+    """Pure data parallel: the batch split over every device, the rest propagated."""
     try:
-        assignment = propagate(space, pins, ties=ties)
+        return dict(propagate(space, pins, ties=ties).strategies)
     except PlanError:
         return None
-    return problem.choice_of(assignment.strategies)
 
 
 def _details(problem: Problem, choice: Mapping[int, int]) -> dict[int, Detail]:

@@ -96,6 +96,20 @@ class SearchSpace:
             return 0.0
         return self.edge_weight(producer, consumer) * sum(c.time for c in colls)
 
+    def total_time(self, strategies: Mapping[int, OpStrategy]) -> float:
+        """Simulated seconds of a full assignment: every node's cost and every layout change."""
+        graph = self.graph
+        hw = self.model.hw
+        total = sum(self.op_cost(n.id, strategies[n.id]).time(hw) for n in graph.searchable())
+        for producer, j, consumer, i in graph.edges():
+            if graph.nodes[consumer].kind == "control" or producer == consumer:
+                continue
+            src = strategies[producer].out_specs[j]
+            dst = strategies[consumer].in_specs[i]
+            if src != dst:
+                total += self.edge_time(producer, j, src, consumer, dst)
+        return total
+
     def edge_cost(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
                   ) -> Cost:
         value = self.graph.values[self.graph.nodes[producer].outputs[out_index]]

@@ -26,12 +26,14 @@ References: MindSpore ``auto_parallel/dp_algo_costmodel.cc``, ``graph_costmodel.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import numpy as np
 
 from jaxpar._src.search.problem import Problem
 
-PAIR_LIMIT = 4096  # largest candidate list a merged pair of nodes may have
+PAIR_LIMIT = 1024  # largest candidate list a merged pair of nodes may have
+WORK_LIMIT = 4e6  # largest table (candidate triples) an exact elimination may build
 
 
 @dataclasses.dataclass
@@ -74,19 +76,48 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
     records: list[tuple] = []
     alive = set(problem.reps)
     next_id = max(problem.reps, default=0) + 1  # ids of merged pairs
+    def work(n: int) -> float:
+        """Size of the table eliminating ``n`` builds (inf: three or more neighbours)."""
+        nbrs = adjacency[n]
+        if len(nbrs) > 2:
+            return np.inf
+        size = float(len(cost[n]))
+        for u in nbrs:
+            size *= len(cost[u])
+        return size
+
+    heap = [(work(n), n) for n in alive]
+    heapq.heapify(heap)
+
+    def touch(nodes: set[int]) -> None:
+        for n in nodes:
+            if n in alive:
+                heapq.heappush(heap, (work(n), n))
+
     while alive:
-        v = min(alive, key=lambda n: (len(adjacency[n]), n))
+        v = None
+        while heap:
+            w_v, n = heap[0]
+            if n not in alive or w_v != work(n):
+                heapq.heappop(heap)  # stale entry
+                continue
+            if w_v <= WORK_LIMIT:
+                v = heapq.heappop(heap)[1]
+            break
+        if v is None:  # every node is costly or has three or more neighbours
+            v = min(alive, key=lambda n: (len(adjacency[n]), n))
         nbrs = sorted(adjacency[v])
-        if len(nbrs) == 0:
+        exact = work(v) <= WORK_LIMIT  # else: too large (or too connected) to do exactly
+        if exact and len(nbrs) == 0:
             records.append(("root", v, int(np.argmin(cost[v]))))
-        elif len(nbrs) == 1:
+        elif exact and len(nbrs) == 1:
             (u,) = nbrs
             total = edge(u, v) + cost[v][None, :]
             best = np.argmin(total, axis=1)
             cost[u] = cost[u] + total[np.arange(total.shape[0]), best]
             records.append(("leaf", v, u, best))
             stats.leaf += 1
-        elif len(nbrs) == 2:
+        elif exact and len(nbrs) == 2:
             u, w = nbrs
             total = edge(u, v)[:, :, None] + cost[v][None, :, None] + edge(v, w)[None, :, :]
             best = np.argmin(total, axis=1)
@@ -96,6 +127,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             alive.discard(v)
             add_edge(u, w, new)
             stats.operator += 1
+            touch({u, w})
             continue
         else:
             pair = _best_pair(adjacency, cost)
@@ -121,6 +153,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
                 alive.add(p)
                 records.append(("pair", p, a, b, nb))
                 stats.pair += 1
+                touch(adjacency[p] | {p})
                 continue
             # Star: fix v's choice per choice of its heaviest neighbour, estimating the others.
             u = max(nbrs, key=lambda n: float(np.max(edge(n, v))))
@@ -133,8 +166,10 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
                 add_edge(u, w, edge(v, w)[best, :])
             records.append(("star", v, u, best))
             stats.star += 1
+        touched = set(adjacency[v])
         drop(v)
         alive.discard(v)
+        touch(touched)
     choice: dict[int, int] = {}
     for rec in reversed(records):
         kind, v = rec[0], rec[1]

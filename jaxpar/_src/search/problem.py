@@ -95,7 +95,10 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         if nid in pinned:
             cands[nid] = (pinned[nid].strategy,)
             continue
-        options = space.candidates(nid)
+        # A dimension split over several axes takes them in mesh order (the other orders only
+        # permute which device holds which block; pins may still use them).
+        options = tuple(c for c in space.candidates(nid) if all(
+            list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
         if fully_use_devices and graph.nodes[nid].kind == "op":
             options = _use_all_devices(options, mesh, graph.nodes[nid].name in CONTRACTIONS)
         cands[nid] = options
@@ -158,7 +161,9 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 c = space.op_cost(nid, strategy)
                 t += c.time(hw)
                 m += _result_bytes(space, nid, strategy)
-            cost[r][k] = t
+            # Among equally fast plans prefer the one holding fewer bytes (a batch argument
+            # split rather than replicated and sliced): a picosecond per GiB breaks the tie.
+            cost[r][k] = t + TIE_BREAK_S_PER_BYTE * m
             mem[r][k] = m
 
     # -- edges --------------------------------------------------------------------------------
@@ -187,6 +192,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
 
 
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+TIE_BREAK_S_PER_BYTE = 1e-21
 
 
 def _use_all_devices(options: tuple[OpStrategy, ...], mesh, contraction: bool

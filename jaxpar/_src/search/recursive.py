@@ -82,7 +82,7 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                     if u in decided:
                         redist += float(_edge(problem, r, u)[np.ix_(cls, alive[u])].min())
                 score = own + redist
-                if best_score is None or score < best_score - 1e-15:
+                if best_score is None or _better(score, best_score):
                     best_cls, best_score = cls, score
             alive[r] = best_cls
             decided.add(r)
@@ -117,7 +117,7 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
                 continue
             total = context(r)
             best = int(np.argmin(total))
-            if total[best] < total[choice[r]] - 1e-15:
+            if _better(total[best], total[choice[r]]):
                 choice[r] = best
                 changed = True
         for u, v in problem.edges:
@@ -129,12 +129,17 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
             if v in problem.forced:
                 joint[:, np.arange(joint.shape[1]) != choice[v]] = np.inf
             ku, kv = np.unravel_index(int(np.argmin(joint)), joint.shape)
-            if joint[ku, kv] < joint[choice[u], choice[v]] - 1e-15:
+            if _better(joint[ku, kv], joint[choice[u], choice[v]]):
                 choice[u], choice[v] = int(ku), int(kv)
                 changed = True
         if not changed:
             break
     return choice
+
+
+def _better(a: float, b: float) -> bool:
+    """``a`` is smaller than ``b`` beyond rounding (relative 1e-12)."""
+    return a < b - 1e-12 * abs(b)
 
 
 def _edge(problem: Problem, r: int, u: int) -> np.ndarray:
