@@ -22,11 +22,11 @@ from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.elimination import solve_elimination
 from jaxpar._src.search.memory import live_ranges, peak_memory
 from jaxpar._src.search.optimal import solve_optimal
-from jaxpar._src.search.problem import Problem, build_problem
+from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
-from jaxpar._src.search.recursive import solve_recursive
+from jaxpar._src.search.recursive import improve, refine, solve_recursive
 
-SHARE_LAYERS_ABOVE = 600  # coarse nodes: beyond this the exact search shares repeated layers
+SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,35 +62,43 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 ) -> tuple[Assignment, SearchReport, dict[int, Detail]]:
     t0 = time.perf_counter()
     problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
-    if search_mode == "optimal" and len(problem.reps) <= SHARE_LAYERS_ABOVE:
-        problem.groups = []
     graph, mesh = space.graph, space.model.mesh
     budget = float(space.model.hw.memory_per_device)
     notes: list[str] = []
     optimal = None
+    owner: dict[int, int] | None = None
+    target = problem
+    if len(problem.reps) > SHARE_LAYERS_ABOVE and problem.groups:
+        target, owner = quotient(problem)
+        notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
+                     f"{len(target.reps)}")
+
+    def lift(choice: Mapping[int, int]) -> dict[int, int]:
+        return dict(choice) if owner is None else {r: choice[owner[r]] for r in problem.reps}
 
     def memory_of(choice: Mapping[int, int]) -> float:
-        return peak_memory(graph, problem.expand(choice), mesh).peak
+        return peak_memory(graph, problem.expand(lift(choice)), mesh).peak
 
     if search_mode == "optimal":
-        result = solve_optimal(problem, time_limit=time_limit)
+        result = solve_optimal(target, time_limit=time_limit)
         choice, optimal = result.choice, result.optimal
         if not result.optimal:
             notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
                          f"relative gap {result.gap:.3g}")
         cuts = []
         for _ in range(20):
-            est = peak_memory(graph, problem.expand(choice), mesh)
+            est = peak_memory(graph, problem.expand(lift(choice)), mesh)
             if est.peak <= budget:
                 break
-            cuts.append(_memory_cut(problem, est.at, budget))
-            result = solve_optimal(problem, time_limit=time_limit, extra_rows=cuts)
+            cuts.append(_fold(_memory_cut(problem, est.at, budget), owner))
+            result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts)
             choice, optimal = result.choice, result.optimal
     else:
         solver = _SOLVERS[search_mode]
-        choice = solver(problem, 0.0)
+        choice = solver(target, 0.0)
         if memory_of(choice) > budget:
-            choice = _fit_memory(problem, choice, solver, budget, memory_of)
+            choice = _fit_memory(target, choice, solver, budget, memory_of)
+    choice = lift(choice)
     strategies = problem.expand(choice)
     est = peak_memory(graph, strategies, mesh)
     objective = space.total_time(strategies)
@@ -131,7 +139,11 @@ def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
 
 
 def _solve_elimination(problem: Problem, price: float) -> dict[int, int]:
-    return solve_elimination(problem, memory_price=price)[0]
+    choice, stats = solve_elimination(problem, memory_price=price)
+    if stats.star:  # star eliminations approximate: polish their decisions locally
+        priced = _priced(problem, price)
+        choice = refine(priced, improve(priced, choice))
+    return choice
 
 
 _SOLVERS: dict[str, Callable[[Problem, float], dict[int, int]]] = {
@@ -181,6 +193,17 @@ def _memory_cut(problem: Problem, position: int, budget: float
             vec[k] = v.nbytes * spec.shard_fraction(mesh)
         coeffs[rep] = coeffs.get(rep, 0) + vec
     return coeffs, budget
+
+
+def _fold(cut: tuple[dict[int, np.ndarray], float], owner: dict[int, int] | None
+          ) -> tuple[dict[int, np.ndarray], float]:
+    """A memory cut on the quotient problem: members' coefficients add up on their owner."""
+    if owner is None:
+        return cut
+    coeffs: dict[int, np.ndarray] = {}
+    for r, vec in cut[0].items():
+        coeffs[owner[r]] = coeffs.get(owner[r], 0) + vec
+    return coeffs, cut[1]
 
 
 def _baseline(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]]

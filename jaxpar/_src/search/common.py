@@ -36,6 +36,7 @@ class SearchSpace:
         self.model = model
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
+        self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
         self._gradients: frozenset[int] | None = None
 
     def rule(self, nid: int) -> FactorRule:
@@ -53,9 +54,14 @@ class SearchSpace:
         if cost is None:
             node = self.graph.nodes[nid]
             view = _shapes(self.graph, node)
-            cost = self._op_costs[key] = self.model.op_cost(
-                self.rule(nid), strategy, *view, weight=node.weight,
-                combined=nid in self.gradients)
+            rule = self.rule(nid)
+            combined = nid in self.gradients
+            signature = (rule, strategy, view[1], view[3], node.weight, combined)
+            cost = self._signature_costs.get(signature)
+            if cost is None:
+                cost = self._signature_costs[signature] = self.model.op_cost(
+                    rule, strategy, *view, weight=node.weight, combined=combined)
+            self._op_costs[key] = cost
         return cost
 
     @property

@@ -7,16 +7,20 @@ neighbours and recording, for every choice of what remains, the best choice of w
 * a node with one neighbour is folded into it (*merge* / *contract elimination*);
 * a node with two neighbours becomes an edge between them (*operator elimination*; when the two
   are already joined this is the *triangle elimination*);
-* when every node has three or more neighbours, two neighbours that share the most neighbours
-  are merged into one node whose candidates are their pairs (exact; this turns the ladder a
-  forward and a backward pass make into a chain), as long as the pair list stays small;
+* when every node has three or more neighbours, the node with fewest neighbours is merged with
+  the neighbour it shares most neighbours with into one node whose candidates are their pairs
+  (exact; this turns the ladder a forward and a backward pass make into a chain), as long as the
+  pair list stays small;
+* otherwise, when what is left is small enough, that *final graph* is solved exactly (MindSpore
+  enumerates its final graph; here the integer program of ``optimal.py`` does it);
 * otherwise the lightest node is folded into its heaviest neighbour, its own choice fixed per
   choice of that neighbour (*star elimination*, the only approximate step).
 
 A node left alone takes its cheapest candidate; the recorded decisions are then replayed in
 reverse to recover every choice.  Without star eliminations (chains, trees, series-parallel
 graphs, ladders) the result is the exact optimum of the cost model; the statistics say how many
-star eliminations a solve needed.  Costs are seconds of
+star eliminations a solve needed, and when there were any, the search polishes the result with
+the local search of ``recursive.py``.  Costs are seconds of
 compute plus communication; the memory limit is applied by the caller, which re-solves with
 memory priced in when a plan does not fit.
 
@@ -36,12 +40,16 @@ PAIR_LIMIT = 1024  # largest candidate list a merged pair of nodes may have
 WORK_LIMIT = 4e6  # largest table (candidate triples) an exact elimination may build
 
 
+CORE_LIMIT = 3000  # largest remaining graph solved exactly when no elimination is exact
+
+
 @dataclasses.dataclass
 class EliminationStats:
     leaf: int = 0
     operator: int = 0
     pair: int = 0
     star: int = 0
+    core: int = 0  # nodes left for the exact solve of the final graph
 
 
 def solve_elimination(problem: Problem, *, memory_price: float = 0.0
@@ -88,11 +96,14 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
 
     heap = [(work(n), n) for n in alive]
     heapq.heapify(heap)
+    by_degree = [(len(adjacency[n]), n) for n in alive]  # for when no step is exact
+    heapq.heapify(by_degree)
 
     def touch(nodes: set[int]) -> None:
         for n in nodes:
             if n in alive:
                 heapq.heappush(heap, (work(n), n))
+                heapq.heappush(by_degree, (len(adjacency[n]), n))
 
     while alive:
         v = None
@@ -104,8 +115,16 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             if w_v <= WORK_LIMIT:
                 v = heapq.heappop(heap)[1]
             break
-        if v is None:  # every node is costly or has three or more neighbours
-            v = min(alive, key=lambda n: (len(adjacency[n]), n))
+        if v is None and len(alive) <= CORE_LIMIT:
+            # No exact step left: solve the remaining core exactly, as MindSpore solves its
+            # final graph (there by enumeration, here by the integer program).
+            records.append(("core", _solve_core(problem, alive, cost, edges)))
+            stats.core = len(alive)
+            break
+        while v is None:  # every node is costly or has three or more neighbours
+            d, n = heapq.heappop(by_degree)
+            if n in alive and d == len(adjacency[n]):
+                v = n
         nbrs = sorted(adjacency[v])
         exact = work(v) <= WORK_LIMIT  # else: too large (or too connected) to do exactly
         if exact and len(nbrs) == 0:
@@ -130,7 +149,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             touch({u, w})
             continue
         else:
-            pair = _best_pair(adjacency, cost)
+            pair = _best_pair(v, adjacency, cost)
             if pair is not None:
                 a, b = pair
                 p = next_id
@@ -173,7 +192,9 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
     choice: dict[int, int] = {}
     for rec in reversed(records):
         kind, v = rec[0], rec[1]
-        if kind == "root":
+        if kind == "core":
+            choice.update(v)
+        elif kind == "root":
             choice[v] = rec[2]
         elif kind in ("leaf", "star"):
             choice[v] = int(rec[3][choice[rec[2]]])
@@ -186,19 +207,28 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
     return {r: int(choice[r]) for r in problem.reps}, stats
 
 
-def _best_pair(adjacency: dict[int, set[int]], cost: dict[int, np.ndarray]
+def _solve_core(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
+                edges: dict[tuple[int, int], np.ndarray]) -> dict[int, int]:
+    from jaxpar._src.search.optimal import solve_optimal
+
+    reps = sorted(alive)
+    core = dataclasses.replace(
+        problem, reps=reps, cands={r: tuple(range(len(cost[r]))) for r in reps},
+        cost={r: cost[r] for r in reps}, mem={r: np.zeros(len(cost[r])) for r in reps},
+        edges={k: m for k, m in edges.items() if k[0] in alive and k[1] in alive},
+        forced={}, groups=[], members=None)
+    return solve_optimal(core).choice
+
+
+def _best_pair(v: int, adjacency: dict[int, set[int]], cost: dict[int, np.ndarray]
                ) -> tuple[int, int] | None:
-    """Two neighbours whose merge removes the most edges, if their pair list is small."""
+    """``v`` and the neighbour sharing most of its neighbours, if their pair list is small."""
     best, best_key = None, None
-    for a, nbrs in adjacency.items():
-        for b in nbrs:
-            if b <= a:
-                continue
-            size = len(cost[a]) * len(cost[b])
-            if size > PAIR_LIMIT:
-                continue
-            shared = len(nbrs & adjacency[b])
-            key = (-shared, size, a, b)
-            if best_key is None or key < best_key:
-                best, best_key = (a, b), key
+    for u in adjacency[v]:
+        size = len(cost[u]) * len(cost[v])
+        if size > PAIR_LIMIT:
+            continue
+        key = (-len(adjacency[v] & adjacency[u]), size, u)
+        if best_key is None or key < best_key:
+            best, best_key = (min(u, v), max(u, v)), key
     return best

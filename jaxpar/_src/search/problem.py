@@ -13,8 +13,9 @@ From the operator graph and the cost model it builds a smaller *coarse graph*:
 * node costs are simulated seconds (compute at the device's FLOP rate plus the operator's own
   collectives, times loop trips); edge costs are the seconds of layout changes between two
   candidates, priced once per pair of distinct port layouts;
-* operators that repeat (the same source line, primitive, shapes and rule: one per unrolled
-  layer) form *groups* that a search may give one shared strategy.
+* nodes that repeat once per unrolled layer form *groups* (see :func:`_layer_groups`); on
+  large graphs the searches solve the :func:`quotient` problem, where each group shares one
+  strategy, so their work grows with one layer rather than with the depth.
 
 A search picks one candidate index per coarse node; :meth:`Problem.expand` turns that into a
 strategy for every node of the graph.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -48,6 +50,10 @@ class Problem:
     forced: dict[int, int]  # rep -> the only allowed candidate index (pins)
     groups: list[list[int]]  # reps that may share one strategy
     origins: dict[int, str]  # pin origins
+    members: dict[int, tuple[int, ...]] | None = None  # quotient: the reps each node stands for
+
+    def members_of(self, r: int) -> tuple[int, ...]:
+        return self.members[r] if self.members is not None else (r,)
 
     # -- evaluation ---------------------------------------------------------------------------
     def objective(self, choice: Mapping[int, int]) -> float:
@@ -85,7 +91,7 @@ class Problem:
 
 
 def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tuple[int, int]] = (),
-                  fully_use_devices: bool = True, share_layers: bool = True) -> Problem:
+                  fully_use_devices: bool = True) -> Problem:
     graph = space.graph
     mesh = space.model.mesh
     pinned = {p.node: p for p in pins}
@@ -153,21 +159,28 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     members: dict[int, list[int]] = collections.defaultdict(list)
     for nid in searchable:
         members[rep_of(nid)].append(nid)
+    vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     for r in reps:
-        for k in range(len(cands[r])):
-            t = m = 0.0
-            for nid in members[r]:
-                strategy = resolve(nid, k)
-                c = space.op_cost(nid, strategy)
-                t += c.time(hw)
-                m += _result_bytes(space, nid, strategy)
-            # Among equally fast plans prefer the one holding fewer bytes (a batch argument
-            # split rather than replicated and sliced): a picosecond per GiB breaks the tie.
-            cost[r][k] = t + TIE_BREAK_S_PER_BYTE * m
-            mem[r][k] = m
+        for nid in members[r]:
+            strategies = tuple(resolve(nid, k) for k in range(len(cands[r])))
+            node = graph.nodes[nid]
+            outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
+            signature = (space.rule(nid), strategies, node.weight, nid in space.gradients,
+                         outs, tuple(graph.operand_dtype(o) for o in node.inputs))
+            found = vectors.get(signature)
+            if found is None:  # repeated layers: price each kind of node once
+                times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
+                held = np.array([_result_bytes(space, nid, s) for s in strategies])
+                found = vectors[signature] = (times, held)
+            cost[r] += found[0]
+            mem[r] += found[1]
+        # Among equally fast plans prefer the one holding fewer bytes (a batch argument split
+        # rather than replicated and sliced): a picosecond per GiB breaks the tie.
+        cost[r] += TIE_BREAK_S_PER_BYTE * mem[r]
 
     # -- edges --------------------------------------------------------------------------------
     edges: dict[tuple[int, int], np.ndarray] = {}
+    matrices: dict[tuple, np.ndarray] = {}
     for producer, j, consumer, i in graph.edges():
         if graph.nodes[consumer].kind == "control" or producer == consumer:
             continue
@@ -179,14 +192,19 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 if src[k] != dst[k]:
                     cost[ru][k] += space.edge_time(producer, j, src[k], consumer, dst[k])
             continue
-        matrix = _edge_matrix(space, producer, j, consumer, src, dst)
+        value = graph.values[graph.nodes[producer].outputs[j]]
+        signature = (tuple(src), tuple(dst), value.shape, value.dtype,
+                     space.edge_weight(producer, consumer))
+        matrix = matrices.get(signature)
+        if matrix is None:  # repeated layers repeat their edges: price each kind once
+            matrix = matrices[signature] = _edge_matrix(space, producer, j, consumer, src, dst)
         if not matrix.any():
             continue
         key, m = ((ru, rv), matrix) if ru < rv else ((rv, ru), matrix.T)
         edges[key] = edges[key] + m if key in edges else m
 
     forced = {r: 0 for r in reps if r in pinned}
-    groups = _layer_groups(space, reps, cands, forced) if share_layers else []
+    groups = _layer_groups(space, reps, cands, forced)
     origins = {p.node: p.origin for p in pins}
     return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins)
 
@@ -247,22 +265,69 @@ def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,
     dst_ids: dict[Spec, int] = {}
     iu = np.array([src_ids.setdefault(s, len(src_ids)) for s in src], dtype=np.int64)
     iv = np.array([dst_ids.setdefault(s, len(dst_ids)) for s in dst], dtype=np.int64)
+    value = space.graph.values[space.graph.nodes[producer].outputs[j]]
+    weight = space.edge_weight(producer, consumer)
+    model = space.model
     table = np.zeros((len(src_ids), len(dst_ids)))
     for a, sa in enumerate(src_ids):
         for b, sb in enumerate(dst_ids):
             if sa != sb:
-                table[a, b] = space.edge_time(producer, j, sa, consumer, sb)
+                colls = model.redistribution(sa, sb, value.shape, value.dtype)
+                table[a, b] = weight * sum(c.time for c in colls)
     return table[iu][:, iv]
 
 
 def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, forced: Mapping
                   ) -> list[list[int]]:
-    """Operators that repeat once per layer: same source, primitive, shapes and rule."""
+    """Nodes that repeat once per layer: operators with the same source line, primitive,
+    shapes and rule; arguments with the same path but for layer numbers.  The first and last
+    member keep their own strategy (those layers meet the embedding and the head); the layers
+    between share one.  (Identical layers that should alternate, such as a Megatron MLP written
+    as a loop over one layer, therefore only alternate in graphs small enough to search
+    unshared.)"""
     graph = space.graph
     buckets: dict[tuple, list[int]] = collections.defaultdict(list)
     for r in reps:
         node = graph.nodes[r]
-        if node.kind != "op" or r in forced or node.source == "?":
+        if r in forced:
             continue
-        buckets[(node.name, node.source, space.rule(r), node.weight, cands[r])].append(r)
-    return [g for g in buckets.values() if len(g) > 1]
+        if node.kind == "op" and node.source != "?":
+            key = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
+        elif node.kind in ("input", "const") and node.label:
+            key = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
+        else:
+            continue
+        buckets[key].append(r)
+    # The first and last layer meet the rest of the model (embedding, head): they stay free.
+    return [members[1:-1] for members in buckets.values() if len(members) > 3]
+
+
+def quotient(problem: Problem) -> tuple[Problem, dict[int, int]]:
+    """The problem where each group is one node: its members share one candidate.  Returns it
+    and the owner (group representative) of every node of ``problem``."""
+    owner = {r: r for r in problem.reps}
+    for group in problem.groups:
+        for r in group:
+            owner[r] = group[0]
+    reps = [r for r in problem.reps if owner[r] == r]
+    cost = {r: np.zeros(len(problem.cands[r])) for r in reps}
+    mem = {r: np.zeros(len(problem.cands[r])) for r in reps}
+    for r in problem.reps:
+        cost[owner[r]] += problem.cost[r]
+        mem[owner[r]] += problem.mem[r]
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for (u, v), m in problem.edges.items():
+        ou, ov = owner[u], owner[v]
+        if ou == ov:
+            cost[ou] += np.diag(m)
+            continue
+        key, m = ((ou, ov), m) if ou < ov else ((ov, ou), m.T)
+        edges[key] = edges[key] + m if key in edges else m
+    members: dict[int, list[int]] = {r: [] for r in reps}
+    for r in problem.reps:
+        members[owner[r]].append(r)
+    shared = dataclasses.replace(
+        problem, reps=reps, cands={r: problem.cands[r] for r in reps}, cost=cost, mem=mem,
+        edges=edges, forced={r: k for r, k in problem.forced.items() if owner[r] == r},
+        groups=[], members={r: tuple(m) for r, m in members.items()})
+    return shared, owner

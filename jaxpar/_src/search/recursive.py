@@ -12,11 +12,15 @@ links first), and "cutting a dimension" is giving that axis to one of the operat
   axis (a weight's gradient is all-reduced, an activation gathered), priced as moving it;
 * redistribution: for each neighbour decided in this round, the cheapest pair of candidates.
 
-After the last axis each operator holds one strategy (up to axis order, settled by cost); a
-sweep of best responses against the neighbours' final choices then fixes what the greedy
-rounds could not see.  The rounds run twice, in weight order and in graph order (MindSpore's
-``TopologyOrder`` option, which lets each layer see the one before it); the cheaper plan under
-the cost model wins.  Linear in the number of operators per axis.
+After the last axis each operator holds one strategy (up to axis order, settled by cost).  A
+local search (each node, then each pair of neighbours, taking its best choice given the rest)
+and a refinement (the elimination DP over a few alternatives per node: the best given its
+neighbours and the cheapest on its own) then fix what the greedy rounds could not see.  The
+rounds run in weight order and in graph order (MindSpore's ``TopologyOrder`` option, which
+lets each layer see the one before it), and a third variant
+settles each round's cuts jointly (the elimination DP over the cut choices, for every order of
+the mesh axes); the cheapest start under the cost model is refined.  Linear in the number of
+operators per axis, apart from the refinement's exact solve of the graph's core.
 
 References: Wang et al., "Efficient and Systematic Partitioning of Large and Deep Neural
 Networks for Parallelization", Euro-Par 2021; MindSpore ``rec_core/rec_partition.cc``.
@@ -25,6 +29,8 @@ Networks for Parallelization", Euro-Par 2021; MindSpore ``rec_core/rec_partition
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 
 import numpy as np
 
@@ -34,36 +40,69 @@ from jaxpar._src.search.problem import Problem
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
-def solve_recursive(problem: Problem, *, sweeps: int = 3) -> dict[int, int]:
-    """Rounds in weight order and, as MindSpore's ``TopologyOrder`` option, in graph order;
-    the cheaper plan under the cost model is kept."""
+def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
+    """D-Rec rounds in weight order and in graph order (MindSpore's ``TopologyOrder``), and
+    rounds settled jointly for every order of the mesh axes; each start is polished by local
+    search, the cheapest refined."""
     space = problem.space
     graph = space.graph
     adjacency = problem.neighbours()
-    implied = {r: _implied_cost(problem, r) for r in problem.reps}
-    weight = {r: max(space.rule(r).flops * graph.nodes[r].weight, 0.0)
+    implied = {r: sum(_implied_cost(problem, r, m) for m in problem.members_of(r))
+               for r in problem.reps}
+    weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
               if graph.nodes[r].kind == "op" else 0.0 for r in problem.reps}
     light = {r for r in problem.reps if weight[r] == 0.0 or graph.nodes[r].name not in
              CONTRACTIONS}
     best, best_cost = None, None
-    for order in (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps)):
-        choice = improve(problem, _rounds(problem, order, adjacency, implied, light),
-                         sweeps=sweeps)
+    orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
+    axes = tuple(space.model.mesh.names)
+    starts = [_rounds(problem, order, adjacency, implied, light, axes) for order in orders]
+    starts += [_joint_rounds(problem, implied, perm) for perm in itertools.permutations(axes)]
+    for start in starts:
+        choice = improve(problem, start, sweeps=sweeps)
         cost = problem.objective(choice)
         if best_cost is None or cost < best_cost:
             best, best_cost = choice, cost
-    return best
+    return improve(problem, refine(problem, best), sweeps=sweeps)
+
+
+def refine(problem: Problem, choice: dict[int, int], keep: int = 8) -> dict[int, int]:
+    """Re-solves over a few alternatives per operator with the elimination DP: its current
+    choice, its ``keep`` best given the neighbours' current choices, and its ``keep`` cheapest
+    on its own.  The rounds decide what is worth considering, the DP how it fits together."""
+    from jaxpar._src.search.elimination import solve_elimination
+
+    adjacency = problem.neighbours()
+    kept: dict[int, np.ndarray] = {}
+    for r in problem.reps:
+        local = problem.cost[r].copy()
+        for u in adjacency[r]:
+            local += _edge(problem, r, u)[:, choice[u]]
+        ranked = [int(k) for k in np.argsort(local, kind="stable")[:keep]]
+        ranked += [int(k) for k in np.argsort(problem.cost[r], kind="stable")[:keep]]
+        kept[r] = np.array(list(dict.fromkeys([choice[r]] + ranked)), dtype=np.int64)
+    small = dataclasses.replace(
+        problem,
+        cands={r: tuple(problem.cands[r][k] for k in kept[r]) for r in problem.reps},
+        cost={r: problem.cost[r][kept[r]] for r in problem.reps},
+        mem={r: problem.mem[r][kept[r]] for r in problem.reps},
+        edges={(u, v): m[np.ix_(kept[u], kept[v])] for (u, v), m in problem.edges.items()},
+        forced={r: 0 for r in problem.forced})
+    picked, _ = solve_elimination(small)
+    refined = {r: int(kept[r][picked[r]]) for r in problem.reps}
+    return refined if problem.objective(refined) < problem.objective(choice) else choice
 
 
 def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
-            implied: dict[int, np.ndarray], light: set[int]) -> dict[int, int]:
+            implied: dict[int, np.ndarray], light: set[int], axes: tuple[str, ...]
+            ) -> dict[int, int]:
     """One round per mesh axis in ``order``; returns a full choice.
 
     A light operator (no contraction) whose neighbours are all undecided waits, once, until
     the end of the round: with nothing to follow yet, it would only guess.
     """
     alive = {r: np.arange(len(problem.cands[r])) for r in problem.reps}
-    for axis in problem.space.model.mesh.names:
+    for axis in axes:
         decided: set[int] = set()
         queue = collections.deque(order)
         waited: set[int] = set()
@@ -95,6 +134,39 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 total += _edge(problem, r, u)[cls, choice[u]]
         choice[r] = int(cls[int(np.argmin(total))])
     return choice
+
+
+def _joint_rounds(problem: Problem, implied: dict[int, np.ndarray], axes: tuple[str, ...]
+                  ) -> dict[int, int]:
+    """Rounds whose cuts are settled jointly: each operator's options are the factors the axis
+    may cut (its candidates grouped, priced by the cheapest in each group), and the
+    elimination DP picks one per operator for the whole graph at once."""
+    from jaxpar._src.search.elimination import solve_elimination
+
+    alive = {r: np.arange(len(problem.cands[r])) for r in problem.reps}
+    for axis in axes:
+        groups = {r: _split_by_axis(problem, r, alive[r], axis) for r in problem.reps}
+        cost = {r: np.array([float(np.min(problem.cost[r][g] + implied[r][g]))
+                             for g in groups[r]]) for r in problem.reps}
+        edges = {(u, v): _group_min(m, groups[u], groups[v])
+                 for (u, v), m in problem.edges.items()}
+        rounds = dataclasses.replace(
+            problem, cands={r: tuple(range(len(groups[r]))) for r in problem.reps},
+            cost=cost, mem={r: np.zeros(len(groups[r])) for r in problem.reps}, edges=edges,
+            forced={r: 0 for r in problem.forced})
+        picked, _ = solve_elimination(rounds)
+        alive = {r: groups[r][picked[r]] for r in problem.reps}
+    return {r: int(alive[r][int(np.argmin(problem.cost[r][alive[r]]))]) for r in problem.reps}
+
+
+def _group_min(m: np.ndarray, rows: list[np.ndarray], cols: list[np.ndarray]) -> np.ndarray:
+    """The minimum of ``m`` over every (row group, column group) block."""
+    r_order = np.concatenate(rows)
+    c_order = np.concatenate(cols)
+    r_starts = np.cumsum([0] + [len(g) for g in rows[:-1]])
+    c_starts = np.cumsum([0] + [len(g) for g in cols[:-1]])
+    block = m[np.ix_(r_order, c_order)]
+    return np.minimum.reduceat(np.minimum.reduceat(block, r_starts, axis=0), c_starts, axis=1)
 
 
 def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dict[int, int]:
@@ -157,12 +229,13 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str) -> li
     return [np.asarray(v, dtype=np.int64) for _, v in sorted(groups.items())]
 
 
-def _implied_cost(problem: Problem, r: int) -> np.ndarray:
+def _implied_cost(problem: Problem, r: int, member: int) -> np.ndarray:
     """D-Rec's symbolic price of a contraction's cut: operands left whole along a split axis
-    must be moved whole (a weight's gradient all-reduced, an activation gathered)."""
+    must be moved whole (a weight's gradient all-reduced, an activation gathered).  ``member``
+    is the graph node priced (``r`` itself, or one of the layers ``r`` stands for)."""
     space = problem.space
     graph = space.graph
-    node = graph.nodes[r]
+    node = graph.nodes[member]
     out = np.zeros(len(problem.cands[r]))
     if node.kind != "op" or node.name not in CONTRACTIONS:
         return out
