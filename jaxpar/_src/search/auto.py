@@ -86,12 +86,17 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
             notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
                          f"relative gap {result.gap:.3g}")
         cuts = []
+        smallest = peak_memory(graph, problem.expand(lift(choice)), mesh).peak
         for _ in range(20):
             est = peak_memory(graph, problem.expand(lift(choice)), mesh)
+            smallest = min(smallest, est.peak)
             if est.peak <= budget:
                 break
             cuts.append(_fold(_memory_cut(problem, est.at, budget), owner))
-            result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts)
+            try:
+                result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts)
+            except PlanError:  # the cuts admit no plan at all
+                raise _over_budget(search_mode, budget, smallest) from None
             choice, optimal = result.choice, result.optimal
     else:
         solver = _SOLVERS[search_mode]
@@ -117,11 +122,7 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 notes.append("pure data parallel was cheaper than the search's plan under "
                              "the cost model, and is used")
     if est.peak > budget:
-        raise PlanError(
-            f"jaxpar ({search_mode}): no plan fits the memory budget of "
-            f"{budget / 2**30:.3g} GiB per device (HardwareProfile.memory_per_device); the "
-            f"smallest plan found needs {est.peak / 2**30:.3g} GiB. Use more devices, a "
-            f"smaller batch, or raise memory_per_device.")
+        raise _over_budget(search_mode, budget, est.peak)
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
     if used_baseline:
         origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
@@ -132,6 +133,15 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
     report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
                           est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
     return Assignment(strategies, origins), report, details
+
+
+def _over_budget(search_mode: str, budget: float, smallest: float) -> PlanError:
+    from jaxpar._src.plan import _bytes
+
+    return PlanError(
+        f"jaxpar ({search_mode}): no plan fits the memory budget of {_bytes(budget)} per device "
+        f"(HardwareProfile.memory_per_device); the smallest plan found needs "
+        f"{_bytes(smallest)}. Use more devices, a smaller batch, or raise memory_per_device.")
 
 
 def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
