@@ -1,12 +1,16 @@
-"""``make bench``: what jaxpar's plans make XLA do, and what jaxpar itself costs.
+"""``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
+itself costs.  Four tables, all in one run:
 
-For a few models, meshes and modes it records, in one run:
-
-* jaxpar's own time: trace + plan (search) + lower, in seconds, and XLA's compile time of the
-  same program, with their ratio;
-* the collectives of the compiled program (count per call, payload bytes per device) beside the
-  cost model's prediction;
-* per-device memory and FLOPs of the compiled program.
+1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
+   automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
+   same program (their ratio), the collectives of the compiled program beside the cost model's
+   prediction, per-device memory and FLOPs;
+2. **search gap**: recursive and dynamic programming against the exact optimum (the ILP) on
+   small models, and against pure data parallel;
+3. **hand plans**: on GPT-style models of 12 and 24 layers and meshes (8,), (2,4), (4,2), priced
+   for H100 nodes, the simulated step time of the automatic plan beside pure data parallel,
+   Megatron tensor parallel and data x tensor parallel written by hand;
+4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode.
 
 Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
@@ -33,9 +37,24 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
 import gpt  # noqa: E402
 
 import jaxpar  # noqa: E402
+
+H100 = jaxpar.HardwareProfile(preset="h100")
+MODES = ("recursive_programming", "dynamic_programming", "optimal")
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def _gpt(layers: int, annotate: bool = False, dp: int = 2, mp: int = 4):
+    cfg = gpt.GPTConfig(layers=layers, annotate=annotate, dp=dp, mp=mp)
+    step, params, opt_state = gpt.make_train_step(cfg)
+    batch = next(gpt.batches(gpt.corpus(), 16, cfg.seq))
+    return step, (params, opt_state, batch)
 
 
 def mlp_case(width: int, depth: int, batch: int):
@@ -54,48 +73,35 @@ def mlp_case(width: int, depth: int, batch: int):
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return [p - 0.01 * g for p, g in zip(params, grads, strict=True)], loss
 
-    megatron = [(1, -1) if i % 2 == 0 else (-1, 1) for i in range(depth)]
-    return step, (params, x, y), megatron
+    return step, (params, x, y)
 
 
-def _counts(pattern, mp):
-    return tuple(mp if c == -1 else c for c in pattern)
-
-
-def cases(quick: bool):
+# -- 1. programs ----------------------------------------------------------------------------------
+def program_cases(quick: bool):
     mesh8 = jaxpar.make_mesh((8,), ("dp",))
     mesh24 = jaxpar.make_mesh((2, 4), ("dp", "mp"))
-    mesh42 = jaxpar.make_mesh((4, 2), ("dp", "mp"))
-    out = []
-    mlp_step, mlp_args, pattern = mlp_case(512, 4, 64)
-    for mesh_name, mesh, dp, mp in (("8", mesh8, 8, 1), ("2x4", mesh24, 2, 4),
-                                    ("4x2", mesh42, 4, 2)):
-        out.append(("mlp-4x512", mesh_name, "data_parallel", mlp_step, mlp_args,
-                    dict(mesh=mesh, parallel_mode="data_parallel")))
-        if mp > 1:
-            ws = [_counts(p, mp) for p in pattern]
-            out.append(("mlp-4x512", mesh_name, "semi_auto megatron", mlp_step, mlp_args,
-                        dict(mesh=mesh, parallel_mode="semi_auto_parallel",
-                             in_strategy=(ws, (dp, 1), (dp, 1)))))
-    layer_counts = (2,) if quick else (2, 6, 12)
-    for layers in layer_counts:
-        for mesh_name, mesh, dp, mp in (("2x4", mesh24, 2, 4), ("4x2", mesh42, 4, 2)):
-            cfg = gpt.GPTConfig(layers=layers, dp=dp, mp=mp)
-            step, params, opt_state = gpt.make_train_step(cfg)
-            batch = next(gpt.batches(gpt.corpus(), 16, cfg.seq))
-            out.append((f"gpt-{layers}L", mesh_name, "semi_auto shard", step,
-                        (params, opt_state, batch),
-                        dict(mesh=mesh, parallel_mode="semi_auto_parallel",
-                             in_strategy=(None, None, (dp, 1)))))
-        cfg = gpt.GPTConfig(layers=layers, annotate=False)
-        step, params, opt_state = gpt.make_train_step(cfg)
-        batch = next(gpt.batches(gpt.corpus(), 16, cfg.seq))
-        out.append((f"gpt-{layers}L", "8", "data_parallel", step, (params, opt_state, batch),
-                    dict(mesh=mesh8, parallel_mode="data_parallel")))
-    return out
+    step, args = mlp_case(512, 4, 64)
+    megatron = [(1, 4), (4, 1), (1, 4), (4, 1)]
+    yield ("mlp-4x512", "8", "data_parallel", step, args,
+           dict(mesh=mesh8, parallel_mode="data_parallel"))
+    yield ("mlp-4x512", "2x4", "semi_auto megatron", step, args,
+           dict(mesh=mesh24, parallel_mode="semi_auto_parallel",
+                in_strategy=(megatron, (2, 1), (2, 1))))
+    yield ("mlp-4x512", "2x4", "auto recursive", step, args,
+           dict(mesh=mesh24, parallel_mode="auto_parallel", hardware=H100))
+    for layers in (2,) if quick else (2, 12):
+        step, args = _gpt(layers, annotate=True)
+        yield (f"gpt-{layers}L", "2x4", "semi_auto shard", step, args,
+               dict(mesh=mesh24, parallel_mode="semi_auto_parallel",
+                    in_strategy=(None, None, (2, 1))))
+        step, args = _gpt(layers)
+        yield (f"gpt-{layers}L", "8", "data_parallel", step, args,
+               dict(mesh=mesh8, parallel_mode="data_parallel"))
+        yield (f"gpt-{layers}L", "2x4", "auto recursive", step, args,
+               dict(mesh=mesh24, parallel_mode="auto_parallel", hardware=H100))
 
 
-def measure(step_fn, args, options) -> dict:
+def measure_program(step_fn, args, options) -> dict:
     step = jaxpar.parallelize(step_fn, **options)
     t0 = time.perf_counter()
     entry = step.compiled_entry(*args)
@@ -105,9 +111,10 @@ def measure(step_fn, args, options) -> dict:
     compiled = lowered.compile()
     t3 = time.perf_counter()
     colls = jaxpar.inspect.collectives(compiled)
-    plan = entry.plan
-    predicted = plan.communication_summary()
+    summary = entry.plan.summary()
     mem = jaxpar.inspect.memory(compiled)
+    predicted = summary["collective_wire_bytes"]
+    measured = colls.wire_bytes()
     return {
         "ops": entry.program.graph.count("op"),
         "trace_s": entry.timings["trace"], "search_s": entry.timings["search"],
@@ -115,41 +122,17 @@ def measure(step_fn, args, options) -> dict:
         "ratio": ((t1 - t0) + (t2 - t1)) / (t3 - t2),
         "collectives": colls.count(), "collective_bytes": colls.total_bytes(),
         "collectives_by_kind": colls.by_kind(),
-        "predicted_count": sum(v["count"] for v in predicted.values()),
-        "predicted_wire_bytes": sum(v["wire_bytes"] for v in predicted.values()),
-        "measured_wire_bytes": colls.wire_bytes(),
+        "predicted_wire_bytes": predicted, "measured_wire_bytes": measured,
+        "prediction_error": (predicted - measured) / measured if measured else 0.0,
         "memory_bytes": mem["total"], "flops": jaxpar.inspect.flops(compiled),
     }
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.2f}"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer models (CI smoke)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    args = parser.parse_args()
-    rows = []
-    for model, mesh, mode, fn, fn_args, options in cases(args.quick):
-        result = measure(fn, fn_args, options)
-        result.update(model=model, mesh=mesh, mode=mode)
-        rows.append(result)
-        print(f"{model:<12}{mesh:<6}{mode:<22} jaxpar {result['jaxpar_s']:.2f}s  XLA "
-              f"{result['xla_compile_s']:.2f}s  ratio {result['ratio']:.2f}  collectives "
-              f"{result['collectives']} ({_mib(result['collective_bytes'])} MiB)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
-            platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "devices": f"{len(jax.devices())} x "
-            f"{jax.devices()[0].platform}"}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
-             "", "jaxpar = trace + plan + lower (s); XLA = compile of the same program (s); "
-             "collectives per call and payload MiB per device from the compiled HLO; predicted "
-             "= cost-model wire MiB per device vs measured wire MiB.", "",
+def programs_table(rows: list[dict]) -> list[str]:
+    lines = ["## Programs", "",
+             "jaxpar = trace + plan + lower (s); XLA = compile of the same program (s); "
+             "collectives per call and payload MiB per device, from the compiled HLO; predicted "
+             "vs measured wire MiB per device (ring formulas).", "",
              "| model | mesh | mode | ops | jaxpar s | XLA s | ratio | collectives | MiB | "
              "predicted wire MiB | measured wire MiB | memory MiB/device | GFLOP/device |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -160,8 +143,195 @@ def main() -> None:
             f"{_mib(r['collective_bytes'])} | {_mib(r['predicted_wire_bytes'])} | "
             f"{_mib(r['measured_wire_bytes'])} | {_mib(r['memory_bytes'])} | "
             f"{r['flops'] / 1e9:.3f} |")
+    return lines
+
+
+# -- 2. search gap --------------------------------------------------------------------------------
+def gap_rows() -> list[dict]:
+    from tests import auto_models as am
+    from tests import models
+
+    mesh4 = jaxpar.make_mesh((4,), ("x",))
+    mesh24 = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    bytes_only = jaxpar.HardwareProfile(preset="h100", intra_node_latency=0.0,
+                                        inter_node_latency=0.0)
+    two_links = jaxpar.HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9, "mp": 300e9})
+    suite = {
+        "mlp 6x256, batch 32": (*am.flax_mlp_adam(32, 256), mesh4, bytes_only),
+        "mlp 6x32, batch 256": (*am.flax_mlp_adam(256, 32), mesh4, bytes_only),
+        "transformer layer": (*am.transformer_block(), mesh4, bytes_only),
+        "conv net": (*am.convnet(), mesh4, H100),
+        "embedding + head": (*am.embedding_head(), mesh4, bytes_only),
+        "transformer layer 2-D": (*am.transformer_block(batch=8, seq=32), mesh24, two_links),
+        "mlp 2-D": (*am.wide_mlp(), mesh24, two_links),
+        "scan stack 2-D": (am.sgd_step(models.scan_stack_loss),
+                           models.init_stack(jax.random.key(0), layers=4, batch=32, d=64),
+                           mesh24, H100),
+    }
+    rows = []
+    for name, (fn, args, mesh, hw) in suite.items():
+        row = {"case": name, "mesh": "x".join(map(str, mesh.devices.shape)), "hardware": hw.preset}
+        for mode in MODES:
+            p = jaxpar.parallelize(fn, mesh=mesh, parallel_mode="auto_parallel",
+                                   search_mode=mode, hardware=hw)
+            entry = p.compiled_entry(*args)
+            row[mode] = entry.plan.objective_s
+            row[mode + "_search_s"] = entry.timings["search"]
+            row["data_parallel"] = entry.plan.baseline_s
+        rows.append(row)
+        print("gap", name, {m: f"{row[m]:.3e}" for m in MODES}, flush=True)
+    return rows
+
+
+def gap_table(rows: list[dict]) -> list[str]:
+    lines = ["## Search gap", "",
+             "Simulated step time (cost model) of each search's plan; gap to the exact optimum "
+             "(`optimal`, the ILP) in %.", "",
+             "| case | mesh | optimal | recursive | gap | dynamic prog. | gap | data parallel |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        best = r["optimal"]
+
+        def gap(mode: str, r: dict = r, best: float = best) -> str:
+            return f"{(r[mode] / best - 1) * 100:+.1f}%"
+
+        dp = f"{r['data_parallel']:.3g}" if r["data_parallel"] else "-"
+        lines.append(f"| {r['case']} | {r['mesh']} | {best:.3g} | "
+                     f"{r['recursive_programming']:.3g} | {gap('recursive_programming')} | "
+                     f"{r['dynamic_programming']:.3g} | {gap('dynamic_programming')} | {dp} |")
+    return lines
+
+
+# -- 3. hand plans --------------------------------------------------------------------------------
+def hand_rows(quick: bool) -> list[dict]:
+    rows = []
+    meshes = {"8": ((8,), ("dp",)), "2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
+    for layers in (12,) if quick else (12, 24):
+        for name, (shape, names) in meshes.items():
+            mesh = jaxpar.make_mesh(shape, names)
+            n = int(np.prod(shape))
+            plans = {}
+            step, args = _gpt(layers)
+            plans["data parallel"] = jaxpar.parallelize(
+                step, mesh=mesh, parallel_mode="data_parallel", hardware=H100)
+            tp_step, tp_args = _gpt(layers, annotate=True, dp=1, mp=n)
+            plans["Megatron TP"] = jaxpar.parallelize(
+                tp_step, mesh=mesh, parallel_mode="semi_auto_parallel", hardware=H100,
+                in_strategy=(None, None, (1, 1)))
+            if len(shape) == 2:
+                hy_step, hy_args = _gpt(layers, annotate=True, dp=shape[0], mp=shape[1])
+                plans["DP x TP"] = jaxpar.parallelize(
+                    hy_step, mesh=mesh, parallel_mode="semi_auto_parallel", hardware=H100,
+                    in_strategy=(None, None, (shape[0], 1)))
+            plans["auto (recursive)"] = jaxpar.parallelize(
+                step, mesh=mesh, parallel_mode="auto_parallel", hardware=H100)
+            row = {"model": f"gpt-{layers}L", "mesh": name}
+            for label, p in plans.items():
+                a = tp_args if label == "Megatron TP" else (
+                    hy_args if label == "DP x TP" else args)
+                row[label] = p.plan(*a).step_time()
+            rows.append(row)
+            print("hand", row, flush=True)
+    return rows
+
+
+def hand_table(rows: list[dict]) -> list[str]:
+    labels = ["data parallel", "Megatron TP", "DP x TP", "auto (recursive)"]
+    lines = ["## Automatic plans against hand plans", "",
+             "Simulated step time per train step (Adam) on H100 nodes (NVLink inside a node), "
+             "from the same cost model; the best hand plan in bold.", "",
+             "| model | mesh | " + " | ".join(labels) + " | auto / best hand |",
+             "|---|---|" + "---:|" * (len(labels) + 1)]
+    for r in rows:
+        hand = [r[k] for k in labels[:3] if k in r]
+        best = min(hand)
+        cells = []
+        for k in labels:
+            if k not in r:
+                cells.append("-")
+                continue
+            cell = f"{r[k] * 1e6:.0f} us"
+            cells.append(f"**{cell}**" if r[k] == best and k != labels[-1] else cell)
+        lines.append(f"| {r['model']} | {r['mesh']} | " + " | ".join(cells) +
+                     f" | {r['auto (recursive)'] / best:.3f} |")
+    return lines
+
+
+# -- 4. search speed ------------------------------------------------------------------------------
+def speed_rows(quick: bool) -> list[dict]:
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    rows = []
+    for layers in (6, 12) if quick else (6, 12, 24, 48):
+        step, args = _gpt(layers)
+        row = {"layers": layers}
+        for mode in MODES:
+            p = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   search_mode=mode, hardware=H100)
+            entry = p.compiled_entry(*args)
+            row["ops"] = entry.program.graph.count("op")
+            row["trace_s"] = entry.timings["trace"]
+            row[mode] = entry.timings["search"]
+            row[mode + "_objective"] = entry.plan.objective_s
+        t = time.perf_counter()
+        lowered = p.lower(*args)
+        row["lower_s"] = time.perf_counter() - t
+        if layers <= 24:
+            t = time.perf_counter()
+            lowered.compile()
+            row["xla_compile_s"] = time.perf_counter() - t
+        rows.append(row)
+        print("speed", row, flush=True)
+    return rows
+
+
+def speed_table(rows: list[dict]) -> list[str]:
+    lines = ["## Search speed", "",
+             "GPT-style train step (Adam) on mesh (2, 4), H100 profile. Search = building the "
+             "cost graph, searching and assembling the plan (s); trace and lower are jaxpar's "
+             "other stages; ratio = (trace + recursive search + lower) / XLA compile.", "",
+             "| layers | ops | trace s | recursive s | dynamic prog. s | optimal s | lower s | "
+             "XLA compile s | ratio |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        xla = r.get("xla_compile_s")
+        ours = r["trace_s"] + r["recursive_programming"] + r["lower_s"]
+        lines.append(
+            f"| {r['layers']} | {r['ops']} | {r['trace_s']:.2f} | "
+            f"{r['recursive_programming']:.2f} | {r['dynamic_programming']:.2f} | "
+            f"{r['optimal']:.2f} | {r['lower_s']:.2f} | "
+            f"{f'{xla:.2f}' if xla else '-'} | {f'{ours / xla:.2f}' if xla else '-'} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models (a smoke run)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = parser.parse_args()
+    programs = []
+    for model, mesh, mode, fn, fn_args, options in program_cases(args.quick):
+        result = measure_program(fn, fn_args, options)
+        result.update(model=model, mesh=mesh, mode=mode)
+        programs.append(result)
+        print(f"program {model} {mesh} {mode}: jaxpar {result['jaxpar_s']:.2f}s XLA "
+              f"{result['xla_compile_s']:.2f}s", flush=True)
+    gaps = gap_rows()
+    hands = hand_rows(args.quick)
+    speeds = speed_rows(args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
+            platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "devices": f"{len(jax.devices())} x "
+            f"{jax.devices()[0].platform}"}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
+                   "search_speed": speeds}, f, indent=1)
+    lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
+             ""]
+    for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
+                  speed_table(speeds)):
+        lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -20,7 +20,7 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.elimination import solve_elimination
-from jaxpar._src.search.memory import live_ranges, peak_memory
+from jaxpar._src.search.memory import live_ranges, peak_memory, replicated_peak
 from jaxpar._src.search.optimal import solve_optimal
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
@@ -76,7 +76,11 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
     def lift(choice: Mapping[int, int]) -> dict[int, int]:
         return dict(choice) if owner is None else {r: choice[owner[r]] for r in problem.reps}
 
+    roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
+
     def memory_of(choice: Mapping[int, int]) -> float:
+        if roomy:
+            return 0.0
         return peak_memory(graph, problem.expand(lift(choice)), mesh).peak
 
     if search_mode == "optimal":
@@ -86,8 +90,8 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
             notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
                          f"relative gap {result.gap:.3g}")
         cuts = []
-        smallest = peak_memory(graph, problem.expand(lift(choice)), mesh).peak
-        for _ in range(20):
+        smallest = float("inf")
+        for _ in range(0 if roomy else 20):
             est = peak_memory(graph, problem.expand(lift(choice)), mesh)
             smallest = min(smallest, est.peak)
             if est.peak <= budget:
@@ -114,10 +118,11 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
         base = _baseline(space, baseline_pins, ties)
         if base is not None:
             baseline_s = space.total_time(base)
-            base_est = peak_memory(graph, base, mesh)
-            if baseline_s < objective * (1 - 1e-9) and base_est.peak <= budget:
+            if baseline_s < objective * (1 - 1e-9) and (
+                    roomy or peak_memory(graph, base, mesh).peak <= budget):
                 # Possible when the baseline uses strategies fully_use_devices leaves out.
-                strategies, est, objective, details = base, base_est, baseline_s, {}
+                strategies, objective, details = base, baseline_s, {}
+                est = peak_memory(graph, strategies, mesh)
                 used_baseline, optimal = True, False
                 notes.append("pure data parallel was cheaper than the search's plan under "
                              "the cost model, and is used")

@@ -64,6 +64,17 @@ def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: Mesh
     return MemoryEstimate(float(live[at]), arguments, at)
 
 
+def replicated_peak(graph: OpGraph) -> float:
+    """Peak bytes per device if nothing were split: an upper bound for every plan."""
+    n = len(graph.nodes) + 1
+    delta = np.zeros(n + 1)
+    for vid, first, stop in live_ranges(graph):
+        b = graph.values[vid].nbytes
+        delta[first] += b
+        delta[stop + 1] -= b
+    return float(np.max(np.cumsum(delta)[:n]))
+
+
 def live_at(graph: OpGraph, position: int) -> list[int]:
     """Values live at a graph position."""
     return [vid for vid, first, stop in live_ranges(graph) if first <= position <= stop]

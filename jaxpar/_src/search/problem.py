@@ -3,9 +3,9 @@
 From the operator graph and the cost model it builds a smaller *coarse graph*:
 
 * every searchable node gets its candidate strategies, a pinned node exactly one.
-  ``fully_use_devices`` (MindSpore's algorithm parameter, on by default) keeps only strategies
-  that split an operator over every device or none, and makes contractions (``dot_general``,
-  convolutions: the work worth splitting) split over every device when they can;
+  ``fully_use_devices`` (MindSpore's algorithm parameter, on by default) makes contractions
+  (``dot_general``, convolutions: the work worth splitting) split over every device when they
+  can;
 * a node that only passes one input through (an elementwise operator of one tensor, a
   conversion, an unpinned result) **follows** its producer: it is folded into the producer,
   taking, for each of the producer's candidates, the candidate that matches it exactly; a state
@@ -97,16 +97,24 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     pinned = {p.node: p for p in pins}
     searchable = [n.id for n in graph.searchable()]
     cands: dict[int, tuple[OpStrategy, ...]] = {}
+    filtered: dict[tuple[int, bool, bool], tuple[OpStrategy, ...]] = {}
     for nid in searchable:
         if nid in pinned:
             cands[nid] = (pinned[nid].strategy,)
             continue
-        # A dimension split over several axes takes them in mesh order (the other orders only
-        # permute which device holds which block; pins may still use them).
-        options = tuple(c for c in space.candidates(nid) if all(
-            list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
-        if fully_use_devices and graph.nodes[nid].kind == "op":
-            options = _use_all_devices(options, mesh, graph.nodes[nid].name in CONTRACTIONS)
+        everything = space.candidates(nid)  # one shared tuple per distinct rule
+        node = graph.nodes[nid]
+        key = (id(everything), fully_use_devices and node.kind == "op",
+               node.name in CONTRACTIONS)
+        options = filtered.get(key)
+        if options is None:
+            # A dimension split over several axes takes them in mesh order (the other orders
+            # only permute which device holds which block; pins may still use them).
+            options = tuple(c for c in everything if all(
+                list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
+            if key[1]:
+                options = _use_all_devices(options, mesh, key[2])
+            filtered[key] = options
         cands[nid] = options
 
     # -- followers ----------------------------------------------------------------------------
@@ -215,15 +223,16 @@ TIE_BREAK_S_PER_BYTE = 1e-21
 
 def _use_all_devices(options: tuple[OpStrategy, ...], mesh, contraction: bool
                      ) -> tuple[OpStrategy, ...]:
-    """MindSpore's ``fully_use_devices``: a strategy splits over every device or none; a
-    contraction (the work worth splitting) must split over every device when it can."""
+    """MindSpore's ``fully_use_devices``, for the operators whose work is worth splitting: a
+    contraction splits over every device whenever it can.  The operators between contractions
+    keep every option, so hybrid plans (an elementwise chain split over ``dp`` only, replicated
+    over ``mp`` as in Megatron) stay reachable."""
+    if not contraction:
+        return options
     n = mesh.num_devices
-    used = [mesh.product(a for axes in c.factor_axes for a in axes) for c in options]
-    full = tuple(c for c, u in zip(options, used, strict=True) if u == n)
-    if contraction and full:
-        return full
-    keep = tuple(c for c, u in zip(options, used, strict=True) if u in (1, n))
-    return keep or options
+    full = tuple(c for c in options
+                 if mesh.product(a for axes in c.factor_axes for a in axes) == n)
+    return full or options
 
 
 def _result_bytes(space: SearchSpace, nid: int, strategy: OpStrategy) -> float:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 
 import numpy as np
 
@@ -47,7 +46,8 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     space = problem.space
     graph = space.graph
     adjacency = problem.neighbours()
-    implied = {r: sum(_implied_cost(problem, r, m) for m in problem.members_of(r))
+    priced: dict[tuple, np.ndarray] = {}  # repeated layers price their cuts once
+    implied = {r: sum(_implied_cost(problem, r, m, priced) for m in problem.members_of(r))
                for r in problem.reps}
     weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
               if graph.nodes[r].kind == "op" else 0.0 for r in problem.reps}
@@ -57,7 +57,7 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
     axes = tuple(space.model.mesh.names)
     starts = [_rounds(problem, order, adjacency, implied, light, axes) for order in orders]
-    starts += [_joint_rounds(problem, implied, perm) for perm in itertools.permutations(axes)]
+    starts.append(_joint_rounds(problem, implied, axes))
     for start in starts:
         choice = improve(problem, start, sweeps=sweeps)
         cost = problem.objective(choice)
@@ -229,16 +229,21 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str) -> li
     return [np.asarray(v, dtype=np.int64) for _, v in sorted(groups.items())]
 
 
-def _implied_cost(problem: Problem, r: int, member: int) -> np.ndarray:
+def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = None
+                  ) -> np.ndarray:
     """D-Rec's symbolic price of a contraction's cut: operands left whole along a split axis
     must be moved whole (a weight's gradient all-reduced, an activation gathered).  ``member``
     is the graph node priced (``r`` itself, or one of the layers ``r`` stands for)."""
     space = problem.space
     graph = space.graph
     node = graph.nodes[member]
-    out = np.zeros(len(problem.cands[r]))
     if node.kind != "op" or node.name not in CONTRACTIONS:
-        return out
+        return np.zeros(len(problem.cands[r]))
+    key = (id(problem.cands[r]), node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
+           tuple(graph.operand_dtype(o) for o in node.inputs))
+    if cache is not None and key in cache:
+        return cache[key]
+    out = np.zeros(len(problem.cands[r]))
     model = space.model
     for k, cand in enumerate(problem.cands[r]):
         used = [a for axes in cand.factor_axes for a in axes]
@@ -251,4 +256,6 @@ def _implied_cost(problem: Problem, r: int, member: int) -> np.ndarray:
             value = graph.values[operand]
             whole = value.nbytes * spec.shard_fraction(model.mesh)  # what each device needs
             out[k] += node.weight * model.collective("all-gather", whole, missing).time
+    if cache is not None:
+        cache[key] = out
     return out
