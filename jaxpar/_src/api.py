@@ -23,6 +23,7 @@ from jaxpar._src.context import (
 from jaxpar._src.cost import CostModel
 from jaxpar._src.data_parallel import batch_specs, infer_batch_argnums
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
+from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.layout import Layout
 from jaxpar._src.lower import make_evaluator, named_sharding
@@ -107,7 +108,9 @@ class Parallelized:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
         args = self._bind(args, kwargs)
-        return self._compiled(args).jitted.lower(*args)
+        entry = self._compiled(args)
+        with paused_gc():
+            return entry.jitted.lower(*args)
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
@@ -172,7 +175,8 @@ class Parallelized:
         key = (_signature_key(args, self._static), settings)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[key] = self._build(args, settings)
+            with paused_gc():
+                entry = self._cache[key] = self._build(args, settings)
         return entry
 
     def _build(self, args: tuple, settings: Settings) -> Compiled:

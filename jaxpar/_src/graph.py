@@ -19,6 +19,8 @@ operands and carry no edge.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +31,14 @@ NODE_KINDS = ("input", "const", "output", "op", "enter", "exit", "control")
 
 def itemsize(dtype: Any) -> int:
     """Bytes per element; PRNG key arrays count their two uint32 words."""
+    try:
+        return _itemsize(dtype)
+    except TypeError:  # an unhashable dtype
+        return _itemsize.__wrapped__(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: Any) -> int:
     try:
         return int(np.dtype(dtype).itemsize)
     except TypeError:
@@ -63,7 +73,7 @@ class Value:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

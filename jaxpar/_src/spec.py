@@ -71,6 +71,14 @@ class Spec:
     """
 
     dims: tuple[tuple[str, ...], ...]
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Specs key the search's caches by the million: hash them once.
+        object.__setattr__(self, "_hash", hash(self.dims))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def replicated(cls, ndim: int) -> Spec:

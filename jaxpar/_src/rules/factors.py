@@ -43,6 +43,14 @@ class FactorRule:
     reductions: tuple[tuple[int, str], ...] = ()  # (factor, "sum" | "max" | ...) pairs
     blocked: frozenset[int] = frozenset()  # factors that must not be split
     flops: float = 0.0  # global floating-point operations of one application
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.sizes, self.operands, self.results,
+                                                self.reductions, self.blocked, self.flops)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def reduction_kinds(self) -> dict[int, str]:
@@ -106,6 +114,15 @@ class OpStrategy:
     in_specs: tuple[Spec, ...]
     out_specs: tuple[Spec, ...]
     partial: tuple[tuple[str, str], ...] = ()  # (mesh axis, reduction) left to combine
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Strategies key the search's caches by the million: hash them once.
+        object.__setattr__(self, "_hash", hash((self.factor_axes, self.in_specs,
+                                                self.out_specs, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def axes_used(self) -> int:
@@ -160,8 +177,23 @@ def strategy_for_specs(rule: FactorRule, specs: Mapping[tuple[str, int], Spec],
                        mesh: MeshShape) -> OpStrategy | None:
     """The strategy whose layouts equal ``specs`` (keys ``("in"|"out", index)``), if one exists.
 
-    Used for identity-like pseudo-operators whose layout is given (pins, boundaries).
+    Used for identity-like pseudo-operators whose layout is given (pins, boundaries), and by
+    propagation for every operator (so the answers are remembered: layers repeat).
     """
+    key = (rule, tuple(sorted(specs.items())), mesh)
+    if key in _FOR_SPECS:
+        return _FOR_SPECS[key]
+    if len(_FOR_SPECS) > 65536:
+        _FOR_SPECS.clear()
+    strategy = _FOR_SPECS[key] = _strategy_for_specs(rule, specs, mesh)
+    return strategy
+
+
+_FOR_SPECS: dict[tuple, OpStrategy | None] = {}
+
+
+def _strategy_for_specs(rule: FactorRule, specs: Mapping[tuple[str, int], Spec],
+                        mesh: MeshShape) -> OpStrategy | None:
     assign: dict[int, tuple[str, ...]] = {}
     for (side, idx), spec in specs.items():
         tensor = (rule.operands if side == "in" else rule.results)[idx]

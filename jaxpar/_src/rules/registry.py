@@ -38,6 +38,7 @@ class OpView:
 
 RuleFn = Callable[[OpView], FactorRule]
 _RULES: dict[str, RuleFn] = {}
+_BUILT: dict[tuple, FactorRule] = {}  # rules already built, by view
 
 
 def register_rule(*names: str) -> Callable[[RuleFn], RuleFn]:
@@ -66,7 +67,9 @@ def replicated_rule(op: OpView) -> FactorRule:
 
 
 def rule_of(op: OpView) -> FactorRule:
-    """The rule for ``op``; an unknown primitive is replicated and warned about once."""
+    """The rule for ``op``; an unknown primitive is replicated and warned about once.
+
+    A rule depends on the view only, so repeated layers build each rule once."""
     fn = _RULES.get(op.name)
     if fn is None:
         warn_once(
@@ -75,4 +78,14 @@ def rule_of(op: OpView) -> FactorRule:
             f"(correct, but every device does all of its work). Register one with "
             f"jaxpar.register_rule('{op.name}') if it matters.")
         return replicated_rule(op)
-    return fn(op)
+    try:
+        key = (op.name, op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes,
+               tuple(op.params.items()))  # same primitive, same order: no sort needed
+        rule = _BUILT.get(key)
+    except TypeError:  # parameters that cannot be hashed (arrays): build it afresh
+        return fn(op)
+    if rule is None:
+        if len(_BUILT) > 65536:
+            _BUILT.clear()
+        rule = _BUILT[key] = fn(op)
+    return rule

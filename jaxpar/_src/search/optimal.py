@@ -48,43 +48,53 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0,
     c = np.zeros(n)
     for r in problem.reps:
         c[offset[r]:offset[r] + len(problem.cands[r])] += problem.cost[r]
-    rows, cols, vals, lo, hi = [], [], [], [], []
+    # Constraint rows as (row, column, value) triplets, built as arrays; bounds per row.
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    lo: list[np.ndarray] = []
+    hi: list[np.ndarray] = []
+    count = 0
 
-    def add_row(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
-        row = len(lo)
-        for col, val in entries:
-            rows.append(row)
-            cols.append(col)
-            vals.append(val)
-        lo.append(lb)
-        hi.append(ub)
+    def add_rows(r: np.ndarray, col: np.ndarray, val: np.ndarray | float, k: int,
+                 lb: float, ub: float) -> None:
+        nonlocal count
+        rows.append(count + r)
+        cols.append(col)
+        vals.append(np.broadcast_to(np.asarray(val, dtype=float), col.shape))
+        lo.append(np.full(k, lb))
+        hi.append(np.full(k, ub))
+        count += k
 
-    for r in problem.reps:
-        add_row([(offset[r] + k, 1.0) for k in range(len(problem.cands[r]))], 1.0, 1.0)
-    w_costs = []
+    sizes = np.array([len(problem.cands[r]) for r in problem.reps], dtype=np.int64)
+    add_rows(np.repeat(np.arange(len(sizes)), sizes), np.arange(n), 1.0, len(sizes), 1.0, 1.0)
+    w_costs: list[np.ndarray] = []
+    w_total = 0
     for (u, v), m in problem.edges.items():
         # Candidates with the same row (column) of costs behave alike on this edge.
-        row_keys, row_ids = np.unique(m, axis=0, return_inverse=True)
-        table, col_ids = np.unique(row_keys, axis=1, return_inverse=True)
-        row_ids, col_ids = row_ids.reshape(-1), col_ids.reshape(-1)
+        row_ids, row_keys = _classes(m)
+        col_ids, table_t = _classes(row_keys.T)
+        table = table_t.T
         na, nb = table.shape
-        base = n + len(w_costs)
-        w_costs.extend(table.reshape(-1).tolist())
-        for a in range(na):
-            entries = [(base + a * nb + b, 1.0) for b in range(nb)]
-            entries += [(offset[u] + k, -1.0) for k in np.flatnonzero(row_ids == a)]
-            add_row(entries, 0.0, 0.0)
-        for b in range(nb):
-            entries = [(base + a * nb + b, 1.0) for a in range(na)]
-            entries += [(offset[v] + k, -1.0) for k in np.flatnonzero(col_ids == b)]
-            add_row(entries, 0.0, 0.0)
+        base = n + w_total
+        w_costs.append(table.reshape(-1))
+        w_total += na * nb
+        w = base + np.arange(na * nb)
+        # sum_b w[a, b] = sum of u's candidates in row class a, for every a; then columns.
+        add_rows(np.concatenate([np.repeat(np.arange(na), nb), row_ids]),
+                 np.concatenate([w, offset[u] + np.arange(len(row_ids))]),
+                 np.concatenate([np.ones(na * nb), -np.ones(len(row_ids))]), na, 0.0, 0.0)
+        add_rows(np.concatenate([np.tile(np.arange(nb), na), col_ids]),
+                 np.concatenate([w, offset[v] + np.arange(len(col_ids))]),
+                 np.concatenate([np.ones(na * nb), -np.ones(len(col_ids))]), nb, 0.0, 0.0)
     for coeffs, bound in extra_rows or []:
-        entries = []
-        for r, vec in coeffs.items():
-            entries += [(offset[r] + k, float(x)) for k, x in enumerate(vec) if x]
-        add_row(entries, -np.inf, bound)
-    total = n + len(w_costs)
-    cost = np.concatenate([c, np.asarray(w_costs)])
+        r_cols = [offset[r] + np.arange(len(vec)) for r, vec in coeffs.items()]
+        r_vals = [np.asarray(vec, dtype=float) for vec in coeffs.values()]
+        col = np.concatenate(r_cols) if r_cols else np.zeros(0, dtype=np.int64)
+        add_rows(np.zeros(len(col), dtype=np.int64), col,
+                 np.concatenate(r_vals) if r_vals else np.zeros(0), 1, -np.inf, bound)
+    total = n + w_total
+    cost = np.concatenate([c, *w_costs])
     # Costs are seconds, often nanoseconds: rescale so the solver's absolute tolerances do not
     # swallow them (the largest coefficient becomes 1e4).
     finite = cost[np.isfinite(cost)]
@@ -99,12 +109,20 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0,
     banned = ~np.isfinite(cost)  # candidates priced infinite are not allowed
     ub[banned] = 0.0
     cost[banned] = 0.0
-    integrality = np.zeros(total)
-    integrality[:n] = 1
-    a = sparse.csr_matrix((vals, (rows, cols)), shape=(len(lo), total))
-    res = milp(cost, integrality=integrality, bounds=Bounds(lb, ub),
-               constraints=LinearConstraint(a, np.asarray(lo), np.asarray(hi)),
-               options={"time_limit": time_limit, "mip_rel_gap": 1e-6, "disp": False})
+    a = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                          shape=(count, total))
+    bounds = Bounds(lb, ub)
+    constraints = LinearConstraint(a, np.concatenate(lo), np.concatenate(hi))
+    options = {"time_limit": time_limit, "mip_rel_gap": 1e-6, "disp": False}
+    # The relaxation is usually integral already (the joint-distribution formulation is tight):
+    # an integral LP optimum is the integer optimum, found without branching or cuts.
+    res = milp(cost, integrality=np.zeros(total), bounds=bounds, constraints=constraints,
+               options=options | {"presolve": False})
+    if res.x is None or not _integral(res.x[:n]):
+        integrality = np.zeros(total)
+        integrality[:n] = 1
+        res = milp(cost, integrality=integrality, bounds=bounds, constraints=constraints,
+                   options=options)
     if res.x is None:
         raise PlanError(f"jaxpar (optimal search): the integer program found no solution "
                         f"({res.message}).")
@@ -113,4 +131,17 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0,
     for r in problem.reps:
         choice[r] = int(np.argmax(x[offset[r]:offset[r] + len(problem.cands[r])]))
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return IlpResult(choice, problem.objective(choice), res.status == 0, gap, total, len(lo))
+    return IlpResult(choice, problem.objective(choice), res.status == 0, gap, total, count)
+
+
+def _integral(x: np.ndarray) -> bool:
+    return bool(np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) < 1e-6))
+
+
+def _classes(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The class of each row of ``m`` (equal rows, one class) and one row per class."""
+    seen: dict[bytes, int] = {}
+    ids = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in m], dtype=np.int64)
+    first = np.zeros(len(seen), dtype=np.int64)
+    first[ids[::-1]] = np.arange(len(ids))[::-1]
+    return ids, m[first]

@@ -151,14 +151,30 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
 
     reps = [n for n in searchable if n not in follow]
 
-    def resolve(nid: int, k: int) -> OpStrategy:
-        """The strategy of node ``nid`` when its rep takes candidate ``k``."""
-        if nid in follow:
-            return cands[nid][int(follow[nid][1][k])]
-        return cands[nid][k]
-
     def rep_of(nid: int) -> int:
         return follow[nid][0] if nid in follow else nid
+
+    # Layouts are compared by number: every distinct port layout gets an id, and each node's
+    # port is an array of ids over its rep's candidates (repeated layers share the arrays).
+    spec_ids: dict[Spec, int] = {}
+    specs: list[Spec] = []
+    own_ports: dict[tuple[int, str, int], np.ndarray] = {}
+
+    def port(nid: int, side: str, idx: int) -> np.ndarray:
+        options = cands[nid]
+        key = (id(options), side, idx)
+        own = own_ports.get(key)
+        if own is None:
+            ids = []
+            for c in options:
+                spec = (c.out_specs if side == "out" else c.in_specs)[idx]
+                sid = spec_ids.get(spec)
+                if sid is None:
+                    sid = spec_ids[spec] = len(specs)
+                    specs.append(spec)
+                ids.append(sid)
+            own = own_ports[key] = np.asarray(ids, dtype=np.int64)
+        return own[follow[nid][1]] if nid in follow else own
 
     # -- node costs ---------------------------------------------------------------------------
     hw = space.model.hw
@@ -168,15 +184,19 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     for nid in searchable:
         members[rep_of(nid)].append(nid)
     vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    gradients = space.gradients
     for r in reps:
         for nid in members[r]:
-            strategies = tuple(resolve(nid, k) for k in range(len(cands[r])))
             node = graph.nodes[nid]
+            index = follow[nid][1] if nid in follow else None
             outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-            signature = (space.rule(nid), strategies, node.weight, nid in space.gradients,
-                         outs, tuple(graph.operand_dtype(o) for o in node.inputs))
+            signature = (space.rule(nid), id(cands[nid]),
+                         None if index is None else index.tobytes(), node.weight,
+                         nid in gradients, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
             found = vectors.get(signature)
             if found is None:  # repeated layers: price each kind of node once
+                options = cands[nid]
+                strategies = options if index is None else [options[int(k)] for k in index]
                 times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
                 held = np.array([_result_bytes(space, nid, s) for s in strategies])
                 found = vectors[signature] = (times, held)
@@ -193,19 +213,20 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         if graph.nodes[consumer].kind == "control" or producer == consumer:
             continue
         ru, rv = rep_of(producer), rep_of(consumer)
-        src = [resolve(producer, k).out_specs[j] for k in range(len(cands[ru]))]
-        dst = [resolve(consumer, k).in_specs[i] for k in range(len(cands[rv]))]
+        src = port(producer, "out", j)
+        dst = port(consumer, "in", i)
         if ru == rv:
-            for k in range(len(cands[ru])):
-                if src[k] != dst[k]:
-                    cost[ru][k] += space.edge_time(producer, j, src[k], consumer, dst[k])
+            for k in np.flatnonzero(src != dst):
+                cost[ru][k] += space.edge_time(producer, j, specs[src[k]], consumer,
+                                               specs[dst[k]])
             continue
         value = graph.values[graph.nodes[producer].outputs[j]]
-        signature = (tuple(src), tuple(dst), value.shape, value.dtype,
+        signature = (src.tobytes(), dst.tobytes(), value.shape, value.dtype,
                      space.edge_weight(producer, consumer))
         matrix = matrices.get(signature)
         if matrix is None:  # repeated layers repeat their edges: price each kind once
-            matrix = matrices[signature] = _edge_matrix(space, producer, j, consumer, src, dst)
+            matrix = matrices[signature] = _edge_matrix(space, producer, j, consumer, src,
+                                                        dst, specs)
         if not matrix.any():
             continue
         key, m = ((ru, rv), matrix) if ru < rv else ((rv, ru), matrix.T)
@@ -269,46 +290,60 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
 
 
 def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,
-                 src: Sequence[Spec], dst: Sequence[Spec]) -> np.ndarray:
-    src_ids: dict[Spec, int] = {}
-    dst_ids: dict[Spec, int] = {}
-    iu = np.array([src_ids.setdefault(s, len(src_ids)) for s in src], dtype=np.int64)
-    iv = np.array([dst_ids.setdefault(s, len(dst_ids)) for s in dst], dtype=np.int64)
+                 src: np.ndarray, dst: np.ndarray, specs: Sequence[Spec]) -> np.ndarray:
+    """Seconds of the layout change per pair of candidates (``src``, ``dst``: layout ids)."""
+    su, iu = np.unique(src, return_inverse=True)
+    sv, iv = np.unique(dst, return_inverse=True)
     value = space.graph.values[space.graph.nodes[producer].outputs[j]]
     weight = space.edge_weight(producer, consumer)
     model = space.model
-    table = np.zeros((len(src_ids), len(dst_ids)))
-    for a, sa in enumerate(src_ids):
-        for b, sb in enumerate(dst_ids):
-            if sa != sb:
-                colls = model.redistribution(sa, sb, value.shape, value.dtype)
+    table = np.zeros((len(su), len(sv)))
+    for a, x in enumerate(su):
+        for b, y in enumerate(sv):
+            if x != y:
+                colls = model.redistribution(specs[x], specs[y], value.shape, value.dtype)
                 table[a, b] = weight * sum(c.time for c in colls)
-    return table[iu][:, iv]
+    return table[iu.reshape(-1)][:, iv.reshape(-1)]
 
 
 def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, forced: Mapping
                   ) -> list[list[int]]:
     """Nodes that repeat once per layer: operators with the same source line, primitive,
-    shapes and rule; arguments with the same path but for layer numbers.  The first and last
-    member keep their own strategy (those layers meet the embedding and the head); the layers
-    between share one.  (Identical layers that should alternate, such as a Megatron MLP written
+    shapes and rule; arguments with the same path but for layer numbers.  An operator without
+    a source line (JAX's own code: masks, the backward pass) is known by its neighbours' keys
+    instead, which repeat with the layer too.  Sharing also the first and last layer (where the
+    layers meet the embedding and the head) lost nothing on the benchmark models and halves the
+    searched graph.  (Identical layers that should alternate, such as a Megatron MLP written
     as a loop over one layer, therefore only alternate in graphs small enough to search
     unshared.)"""
     graph = space.graph
-    buckets: dict[tuple, list[int]] = collections.defaultdict(list)
+    keys: dict[int, tuple] = {}
+    anonymous = []
     for r in reps:
         node = graph.nodes[r]
         if r in forced:
             continue
         if node.kind == "op" and node.source != "?":
-            key = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
+            keys[r] = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
         elif node.kind in ("input", "const") and node.label:
-            key = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
-        else:
-            continue
+            keys[r] = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
+        elif node.kind == "op":
+            anonymous.append(r)
+    ids: dict[tuple, int] = {}  # keys by number, so neighbours' keys compare cheaply
+    for _ in range(4):  # a chain of anonymous operators takes keys from both ends
+        named = {}
+        for r in anonymous:
+            node = graph.nodes[r]
+            around = sorted({ids.setdefault(keys[n], len(ids)) for p, _, c, _ in
+                             graph.neighbours(r) for n in (p, c) if n != r and n in keys})
+            if around:
+                named[r] = ("near", node.name, tuple(around), space.rule(r), node.weight,
+                            cands[r])
+        keys.update(named)
+    buckets: dict[tuple, list[int]] = collections.defaultdict(list)
+    for r, key in keys.items():
         buckets[key].append(r)
-    # The first and last layer meet the rest of the model (embedding, head): they stay free.
-    return [members[1:-1] for members in buckets.values() if len(members) > 3]
+    return [members for members in buckets.values() if len(members) > 1]
 
 
 def quotient(problem: Problem) -> tuple[Problem, dict[int, int]]:

@@ -17,10 +17,9 @@ local search (each node, then each pair of neighbours, taking its best choice gi
 and a refinement (the elimination DP over a few alternatives per node: the best given its
 neighbours and the cheapest on its own) then fix what the greedy rounds could not see.  The
 rounds run in weight order and in graph order (MindSpore's ``TopologyOrder`` option, which
-lets each layer see the one before it), and a third variant
-settles each round's cuts jointly (the elimination DP over the cut choices, for every order of
-the mesh axes); the cheapest start under the cost model is refined.  Linear in the number of
-operators per axis, apart from the refinement's exact solve of the graph's core.
+lets each layer see the one before it); the cheaper start under the cost model is refined.
+Linear in the number of operators per axis, apart from the refinement's exact solve of the
+graph's core.
 
 References: Wang et al., "Efficient and Systematic Partitioning of Large and Deep Neural
 Networks for Parallelization", Euro-Par 2021; MindSpore ``rec_core/rec_partition.cc``.
@@ -40,9 +39,8 @@ CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
-    """D-Rec rounds in weight order and in graph order (MindSpore's ``TopologyOrder``), and
-    rounds settled jointly for every order of the mesh axes; each start is polished by local
-    search, the cheapest refined."""
+    """D-Rec rounds in weight order and in graph order (MindSpore's ``TopologyOrder``); each
+    start is polished by local search, the cheapest refined."""
     space = problem.space
     graph = space.graph
     adjacency = problem.neighbours()
@@ -57,7 +55,6 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
     axes = tuple(space.model.mesh.names)
     starts = [_rounds(problem, order, adjacency, implied, light, axes) for order in orders]
-    starts.append(_joint_rounds(problem, implied, axes))
     for start in starts:
         choice = improve(problem, start, sweeps=sweeps)
         cost = problem.objective(choice)
@@ -134,39 +131,6 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 total += _edge(problem, r, u)[cls, choice[u]]
         choice[r] = int(cls[int(np.argmin(total))])
     return choice
-
-
-def _joint_rounds(problem: Problem, implied: dict[int, np.ndarray], axes: tuple[str, ...]
-                  ) -> dict[int, int]:
-    """Rounds whose cuts are settled jointly: each operator's options are the factors the axis
-    may cut (its candidates grouped, priced by the cheapest in each group), and the
-    elimination DP picks one per operator for the whole graph at once."""
-    from jaxpar._src.search.elimination import solve_elimination
-
-    alive = {r: np.arange(len(problem.cands[r])) for r in problem.reps}
-    for axis in axes:
-        groups = {r: _split_by_axis(problem, r, alive[r], axis) for r in problem.reps}
-        cost = {r: np.array([float(np.min(problem.cost[r][g] + implied[r][g]))
-                             for g in groups[r]]) for r in problem.reps}
-        edges = {(u, v): _group_min(m, groups[u], groups[v])
-                 for (u, v), m in problem.edges.items()}
-        rounds = dataclasses.replace(
-            problem, cands={r: tuple(range(len(groups[r]))) for r in problem.reps},
-            cost=cost, mem={r: np.zeros(len(groups[r])) for r in problem.reps}, edges=edges,
-            forced={r: 0 for r in problem.forced})
-        picked, _ = solve_elimination(rounds)
-        alive = {r: groups[r][picked[r]] for r in problem.reps}
-    return {r: int(alive[r][int(np.argmin(problem.cost[r][alive[r]]))]) for r in problem.reps}
-
-
-def _group_min(m: np.ndarray, rows: list[np.ndarray], cols: list[np.ndarray]) -> np.ndarray:
-    """The minimum of ``m`` over every (row group, column group) block."""
-    r_order = np.concatenate(rows)
-    c_order = np.concatenate(cols)
-    r_starts = np.cumsum([0] + [len(g) for g in rows[:-1]])
-    c_starts = np.cumsum([0] + [len(g) for g in cols[:-1]])
-    block = m[np.ix_(r_order, c_order)]
-    return np.minimum.reduceat(np.minimum.reduceat(block, r_starts, axis=0), c_starts, axis=1)
 
 
 def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dict[int, int]:
