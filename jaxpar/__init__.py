@@ -33,14 +33,23 @@ from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
 from jaxpar._src.shard import shard as shard
+from jaxpar._src.train.reducer import DistributedGradReducer as DistributedGradReducer
+from jaxpar._src.train.replicas import PerReplica as PerReplica
+from jaxpar._src.train.replicas import per_replica as per_replica
+from jaxpar._src.train.seed import get_seed as get_seed
+from jaxpar._src.train.seed import parameter_broadcast as parameter_broadcast
+from jaxpar._src.train.seed import random_key as random_key
+from jaxpar._src.train.seed import set_seed as set_seed
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContextError", "FactorRule", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout",
-    "MeshError", "OpDecision", "ParallelMode", "Parallelized", "PlanError", "RuleBuilder",
-    "ShardingPlan", "StrategyError", "auto_parallel_context", "get_algo_parameters",
-    "get_auto_parallel_context", "inspect", "make_mesh", "parallelize", "register_rule",
+    "ContextError", "DistributedGradReducer", "FactorRule", "HardwareProfile", "JaxparError",
+    "JaxparWarning", "Layout",
+    "MeshError", "OpDecision", "ParallelMode", "Parallelized", "PerReplica", "PlanError",
+    "RuleBuilder", "ShardingPlan", "StrategyError", "auto_parallel_context",
+    "get_algo_parameters", "get_auto_parallel_context", "get_seed", "inspect", "make_mesh",
+    "parallelize", "parameter_broadcast", "per_replica", "random_key", "register_rule",
     "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
-    "set_auto_parallel_context", "shard",
+    "set_auto_parallel_context", "set_seed", "shard",
 ]

@@ -80,3 +80,21 @@ def _eqn_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
 def is_tracer(x: Any) -> bool:
     """True for values seen while JAX traces a function."""
     return isinstance(x, jax.core.Tracer)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """Mesh axes that are manual here (inside ``jax.shard_map``), else ``()``."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover - JAX before the abstract mesh
+        return ()
+    return tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes along which ``x`` differs between devices (shard_map's "vma")."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):  # JAX 0.6 - 0.9
+        return frozenset(aval.vma)
+    kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
+    return frozenset(getattr(kind, "varying", ()) or ())

@@ -18,6 +18,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxpar._src.errors import ContextError
+from jaxpar._src.fusion import CommFusion, check_split_indices
 from jaxpar._src.hardware import HardwareProfile
 
 
@@ -50,9 +51,27 @@ class ParallelContext:
     hardware: HardwareProfile | None = None  # what the cost model prices; None = CPU preset
     strategy_ckpt_save_file: str = ""  # write the plan (JSON) here after planning
     strategy_ckpt_load_file: str = ""  # read the plan from here instead of searching
+    # How batches reach the devices: "data_parallel" (split), "full_batch" (whole on every
+    # device), or per batch input a tuple of slice counts (e.g. ((1, 2, 4, 1),): H and W split).
+    dataset_strategy: str | tuple = "data_parallel"
+    all_reduce_fusion_config: tuple[int, ...] | None = None  # gradient index split points
+    comm_fusion: CommFusion | None = None  # per collective kind: "auto" | "size" | "index"
+    parameter_broadcast: bool = False  # training starts from rank 0's parameters everywhere
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ParallelContext)}
+_ALIASES = {"full_batch"}  # MindSpore's older spelling of dataset_strategy="full_batch"
+
+
+def _normalize(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Validated options, with MindSpore's ``full_batch`` turned into ``dataset_strategy``."""
+    kwargs = dict(kwargs)
+    if "full_batch" in kwargs:
+        full = kwargs.pop("full_batch")
+        if not isinstance(full, bool):
+            raise ContextError(f"jaxpar: full_batch must be True or False, got {full!r}.")
+        kwargs.setdefault("dataset_strategy", "full_batch" if full else "data_parallel")
+    return {k: _validate(k, v) for k, v in kwargs.items()}
 
 
 def _validate(key: str, value: Any) -> Any:
@@ -88,6 +107,14 @@ def _validate(key: str, value: Any) -> Any:
     if key == "hardware" and value is not None and not isinstance(value, HardwareProfile):
         raise ContextError(
             f"jaxpar: hardware must be a jaxpar.HardwareProfile, got {value!r}.")
+    if key == "dataset_strategy":
+        return check_dataset_strategy(value)
+    if key == "all_reduce_fusion_config":
+        return None if value is None else check_split_indices(value, "all_reduce_fusion_config")
+    if key == "comm_fusion":
+        return None if value is None else CommFusion.parse(value)
+    if key == "parameter_broadcast" and not isinstance(value, bool):
+        raise ContextError(f"jaxpar: parameter_broadcast must be True or False, got {value!r}.")
     return value
 
 
@@ -105,7 +132,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     """Sets auto-parallel options for the whole process (MindSpore's function of that name).
 
     Options: ``parallel_mode`` (a :class:`ParallelMode` or its string), ``search_mode``,
-    ``device_num``, ``global_rank``, ``gradients_mean``, ``mesh``, ``hardware``.
+    ``device_num``, ``global_rank``, ``gradients_mean``, ``mesh``, ``hardware``,
+    ``strategy_ckpt_save_file``, ``strategy_ckpt_load_file``, ``dataset_strategy`` (or
+    MindSpore's ``full_batch``), ``all_reduce_fusion_config``, ``comm_fusion``,
+    ``parameter_broadcast``.
 
     ``gradients_mean`` defaults to ``True`` here, unlike MindSpore: a JAX program sees the global
     batch, so its gradients are the mean over devices, as single-device training computes them;
@@ -117,7 +147,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     >>> reset_auto_parallel_context()
     """
     global _base
-    updates = {k: _validate(k, v) for k, v in kwargs.items()}
+    updates = _normalize(kwargs)
     _base = dataclasses.replace(_base, **updates)
     stack = getattr(_local, "stack", None)
     if stack:  # inside a with-block the block's values shadow the globals; update both
@@ -126,6 +156,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 def get_auto_parallel_context(attr_key: str) -> Any:
     """One option's current value; raises ``ContextError`` for an unknown key."""
+    if attr_key == "full_batch":
+        return current_context().dataset_strategy == "full_batch"
     if attr_key not in _FIELDS:
         _validate(attr_key, None)
     return getattr(current_context(), attr_key)
@@ -147,7 +179,7 @@ def auto_parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
     >>> get_auto_parallel_context("parallel_mode").value
     'stand_alone'
     """
-    updates = {k: _validate(k, v) for k, v in kwargs.items()}
+    updates = _normalize(kwargs)
     ctx = dataclasses.replace(current_context(), **updates)
     stack = getattr(_local, "stack", None)
     if stack is None:
@@ -205,3 +237,18 @@ def reset_algo_parameters() -> None:
 
 def algo_parameters() -> AlgoParameters:
     return _algo
+
+
+def check_dataset_strategy(value: Any) -> str | tuple:
+    """``"data_parallel"``, ``"full_batch"``, or a tuple of slice-count tuples (one per batch
+    input, as MindSpore's ``dataset_strategy``); returned in that normal form."""
+    if value in ("data_parallel", "full_batch"):
+        return value
+    if isinstance(value, (tuple, list)) and value and all(
+            isinstance(s, (tuple, list)) and s and all(isinstance(n, int) and n >= 1 for n in s)
+            for s in value):
+        return tuple(tuple(s) for s in value)
+    raise ContextError(
+        f"jaxpar: dataset_strategy must be 'data_parallel', 'full_batch', or one tuple of "
+        f"slice counts per batch input such as ((8, 1),) or ((1, 2, 4, 1), (8,)); got "
+        f"{value!r}.")

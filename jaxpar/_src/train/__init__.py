@@ -1,0 +1,1 @@
+"""Training runtime: gradient reduction, replicas, seeds, mixed precision, the Model API."""
