@@ -7,6 +7,7 @@ propagated, or searched), emits ``NamedSharding`` constraints and lets XLA inser
 >>> mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
 """
 
+from jaxpar import dataset as dataset
 from jaxpar import inspect as inspect
 from jaxpar._src.api import Parallelized as Parallelized
 from jaxpar._src.api import parallelize as parallelize
@@ -19,6 +20,7 @@ from jaxpar._src.context import reset_auto_parallel_context as reset_auto_parall
 from jaxpar._src.context import set_algo_parameters as set_algo_parameters
 from jaxpar._src.context import set_auto_parallel_context as set_auto_parallel_context
 from jaxpar._src.errors import ContextError as ContextError
+from jaxpar._src.errors import DatasetError as DatasetError
 from jaxpar._src.errors import JaxparError as JaxparError
 from jaxpar._src.errors import JaxparWarning as JaxparWarning
 from jaxpar._src.errors import MeshError as MeshError
@@ -44,12 +46,11 @@ from jaxpar._src.train.seed import set_seed as set_seed
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContextError", "DistributedGradReducer", "FactorRule", "HardwareProfile", "JaxparError",
-    "JaxparWarning", "Layout",
-    "MeshError", "OpDecision", "ParallelMode", "Parallelized", "PerReplica", "PlanError",
-    "RuleBuilder", "ShardingPlan", "StrategyError", "auto_parallel_context",
-    "get_algo_parameters", "get_auto_parallel_context", "get_seed", "inspect", "make_mesh",
-    "parallelize", "parameter_broadcast", "per_replica", "random_key", "register_rule",
-    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
-    "set_auto_parallel_context", "set_seed", "shard",
+    "ContextError", "DatasetError", "DistributedGradReducer", "FactorRule", "HardwareProfile",
+    "JaxparError", "JaxparWarning", "Layout", "MeshError", "OpDecision", "ParallelMode",
+    "Parallelized", "PerReplica", "PlanError", "RuleBuilder", "ShardingPlan", "StrategyError",
+    "auto_parallel_context", "dataset", "get_algo_parameters", "get_auto_parallel_context",
+    "get_seed", "inspect", "make_mesh", "parallelize", "parameter_broadcast", "per_replica",
+    "random_key", "register_rule", "reset_algo_parameters", "reset_auto_parallel_context",
+    "set_algo_parameters", "set_auto_parallel_context", "set_seed", "shard",
 ]

@@ -21,7 +21,12 @@ from jaxpar._src.context import (
     current_context,
 )
 from jaxpar._src.cost import CostModel
-from jaxpar._src.data_parallel import batch_specs, infer_batch_argnums
+from jaxpar._src.data_parallel import (
+    arrival_specs,
+    batch_specs,
+    dataset_specs,
+    infer_batch_argnums,
+)
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile
@@ -50,6 +55,7 @@ class Settings:
     algo: AlgoParameters
     ckpt_load: str  # strategy_ckpt_load_file
     ckpt_save: str  # strategy_ckpt_save_file
+    dataset_strategy: str | tuple = "data_parallel"  # how batch arguments arrive
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,7 +158,8 @@ class Parallelized:
                 f"(gradients_mean=True), which XLA all-reduces for you. Scale the loss by the "
                 f"number of devices if you want the MindSpore sum.")
         return Settings(mode, search, mesh, hardware, algo_parameters(),
-                        str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file))
+                        str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
+                        ctx.dataset_strategy)
 
     def _strategy_mesh(self, device_num: int | None) -> Mesh | None:
         """A mesh from Layout or slice-count strategies when none is given."""
@@ -186,7 +193,9 @@ class Parallelized:
         with tracing_with(mesh):
             program = trace(self._fn, args, static_argnums=self._static, arg_names=names)
             batch = None
-            if settings.mode is ParallelMode.DATA_PARALLEL:
+            if settings.mode is ParallelMode.DATA_PARALLEL or (
+                    settings.mode is not ParallelMode.STAND_ALONE
+                    and settings.dataset_strategy != "data_parallel"):
                 batch = self._batch(args, program, names)
         t1 = time.perf_counter()
         model = CostModel(MeshShape.of(mesh), settings.hardware)
@@ -208,7 +217,10 @@ class Parallelized:
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
-        jitted, flat_in = self._jit(program, plan, mesh, settings)
+        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                     for n in program.graph.inputs]
+        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals)
         return Compiled(program, plan, settings, jitted, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1})
 
@@ -236,6 +248,18 @@ class Parallelized:
             specs = batch_specs(program, batch, mshape, in_shapes, api=self._api)
             for nid, spec in zip(graph.inputs, specs, strict=True):
                 pins.append(self._pin(space, nid, "out", spec, "data_parallel"))
+        if isinstance(settings.dataset_strategy, tuple):
+            tiles = dataset_specs(program, batch, settings.dataset_strategy, mesh, in_shapes,
+                                  in_dtypes, api=self._api)
+            by_node = {p.node: k for k, p in enumerate(pins)}
+            for nid, spec in zip(graph.inputs, tiles, strict=True):
+                if spec is None:
+                    continue
+                pin = self._pin(space, nid, "out", spec, "dataset_strategy")
+                if nid in by_node:
+                    pins[by_node[nid]] = pin
+                else:
+                    pins.append(pin)
         dyn_args = [a for i, a in enumerate(args) if i not in self._static]
         dyn_names = [n for i, n in enumerate(self._arg_names(len(args))) if i not in self._static]
         leaf_names = [name for _, name in pinlib.leaf_names(dyn_args, dyn_names)]
@@ -249,11 +273,16 @@ class Parallelized:
         for nid, spec in zip(graph.inputs, specs, strict=True):
             if spec is None:
                 continue
-            if nid in pinned_inputs:
+            if nid in pinned_inputs and settings.mode is ParallelMode.DATA_PARALLEL:
                 raise StrategyError(
                     f"{self._api}: in data_parallel mode the layouts of the arguments are "
                     f"fixed by the mode; drop in_strategy/parameter_plan or use "
                     f"parallel_mode='semi_auto_parallel'.")
+            if nid in pinned_inputs:
+                raise StrategyError(
+                    f"{self._api}: argument leaf '{leaf_names[graph.inputs.index(nid)]}' has "
+                    f"its layout from dataset_strategy and from in_strategy/parameter_plan; "
+                    f"give it one.")
             pins.append(self._pin(space, nid, "out", spec, "in_strategy"))
         out_raw = pinlib.output_strategies(self._out_strategy, program.out_shapes, api=self._api)
         out_nodes = graph.outputs
@@ -294,18 +323,27 @@ class Parallelized:
         return base + list(pins)
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings) -> tuple[Any, tuple[Any, ...]]:
+             settings: Settings, arrivals: Sequence[Spec | None]
+             ) -> tuple[Any, tuple[Any, ...]]:
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
         run = make_evaluator(graph, plan, mesh, constrain=constrain)
-        flat_in = tuple(named_sharding(mesh, s) for s in plan.input_specs)
+        flat_in = tuple(named_sharding(mesh, a if a is not None else s)
+                        for s, a in zip(plan.input_specs, arrivals, strict=True))
+        # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.
+        entry = {k: named_sharding(mesh, s) for k, (s, a) in
+                 enumerate(zip(plan.input_specs, arrivals, strict=True))
+                 if a is not None and a != s}
         flat_out = [named_sharding(mesh, s) for s in plan.output_specs]
         static = set(self._static)
         in_tree, out_tree = program.in_tree, program.out_tree
 
         def wrapped(*args: Any) -> Any:
             dyn = tuple(a for i, a in enumerate(args) if i not in static)
-            outs = run(*jax.tree.leaves(dyn))
+            leaves = jax.tree.leaves(dyn)
+            for k, sharding in entry.items():
+                leaves[k] = jax.lax.with_sharding_constraint(leaves[k], sharding)
+            outs = run(*leaves)
             return jax.tree.unflatten(out_tree, outs)
 
         wrapped.__name__ = getattr(self._fn, "__name__", "parallelized")

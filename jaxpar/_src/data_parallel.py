@@ -57,3 +57,38 @@ def batch_specs(program: TracedProgram, batch: Sequence[int], mesh: MeshShape,
         else:
             specs.append(Spec.replicated(len(shape)))
     return specs
+
+
+def dataset_specs(program: TracedProgram, batch: Sequence[int], strategy: tuple,
+                  mesh: Any, in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any], *,
+                  api: str) -> list[Spec | None]:
+    """Layouts of the batch arrays from a tuple ``dataset_strategy`` (one slice-count tuple per
+    batch array, in argument order); ``None`` for every other leaf."""
+    from jaxpar._src.strategy import normalize
+
+    slots = [k for k, arg in enumerate(program.arg_index) if arg in batch]
+    if len(strategy) != len(slots):
+        names = [program.in_paths[k] for k in slots]
+        raise StrategyError(
+            f"{api}: dataset_strategy gives {len(strategy)} layouts, but the batch has "
+            f"{len(slots)} arrays ({', '.join(names) or 'none'}). Give one slice-count tuple per "
+            f"batch array, e.g. dataset_strategy=({', '.join('(8, 1)' for _ in slots)}).")
+    out: list[Spec | None] = [None] * len(in_shapes)
+    for k, counts in zip(slots, strategy, strict=True):
+        out[k] = normalize(tuple(counts), in_shapes[k], mesh, dtype=in_dtypes[k],
+                           where=f"{api}: dataset_strategy for '{program.in_paths[k]}'")
+    return out
+
+
+def arrival_specs(program: TracedProgram, batch: Sequence[int] | None, strategy: Any,
+                  in_shapes: Sequence[tuple[int, ...]]) -> list[Spec | None]:
+    """How each argument leaf arrives when that differs from its planned layout:
+    ``dataset_strategy="full_batch"`` hands every device the whole batch (replicated), and the
+    program slices what each device computes on, without communication."""
+    out: list[Spec | None] = [None] * len(in_shapes)
+    if strategy != "full_batch" or not batch:
+        return out
+    for k, arg in enumerate(program.arg_index):
+        if arg in batch:
+            out[k] = Spec.replicated(len(in_shapes[k]))
+    return out

@@ -34,6 +34,10 @@ class PlanError(JaxparError):
     """A plan cannot be made or does not fit the program (nothing fixed, wrong signature, ...)."""
 
 
+class DatasetError(JaxparError):
+    """A dataset is built or used inconsistently (columns, shards, batch sizes, ...)."""
+
+
 class JaxparWarning(UserWarning):
     """Something jaxpar handled safely but the user should know about."""
 

@@ -1,0 +1,1 @@
+"""Datasets in MindSpore's shape: sources, sharding, map/batch/shuffle, global arrays."""
