@@ -9,6 +9,11 @@ propagated, or searched), emits ``NamedSharding`` constraints and lets XLA inser
 
 from jaxpar import dataset as dataset
 from jaxpar import inspect as inspect
+from jaxpar._src.amp.loss_scale import DynamicLossScaleManager as DynamicLossScaleManager
+from jaxpar._src.amp.loss_scale import FixedLossScaleManager as FixedLossScaleManager
+from jaxpar._src.amp.loss_scale import LossScaleState as LossScaleState
+from jaxpar._src.amp.loss_scale import all_finite as all_finite
+from jaxpar._src.amp.precision import auto_mixed_precision as auto_mixed_precision
 from jaxpar._src.api import Parallelized as Parallelized
 from jaxpar._src.api import parallelize as parallelize
 from jaxpar._src.context import ParallelMode as ParallelMode
@@ -46,11 +51,13 @@ from jaxpar._src.train.seed import set_seed as set_seed
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContextError", "DatasetError", "DistributedGradReducer", "FactorRule", "HardwareProfile",
-    "JaxparError", "JaxparWarning", "Layout", "MeshError", "OpDecision", "ParallelMode",
-    "Parallelized", "PerReplica", "PlanError", "RuleBuilder", "ShardingPlan", "StrategyError",
-    "auto_parallel_context", "dataset", "get_algo_parameters", "get_auto_parallel_context",
-    "get_seed", "inspect", "make_mesh", "parallelize", "parameter_broadcast", "per_replica",
-    "random_key", "register_rule", "reset_algo_parameters", "reset_auto_parallel_context",
-    "set_algo_parameters", "set_auto_parallel_context", "set_seed", "shard",
+    "ContextError", "DatasetError", "DistributedGradReducer", "DynamicLossScaleManager",
+    "FactorRule", "FixedLossScaleManager", "HardwareProfile", "JaxparError", "JaxparWarning",
+    "Layout", "LossScaleState", "MeshError", "OpDecision", "ParallelMode", "Parallelized",
+    "PerReplica", "PlanError", "RuleBuilder", "ShardingPlan", "StrategyError", "all_finite",
+    "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",
+    "get_auto_parallel_context", "get_seed", "inspect", "make_mesh", "parallelize",
+    "parameter_broadcast", "per_replica", "random_key", "register_rule",
+    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
+    "set_auto_parallel_context", "set_seed", "shard",
 ]

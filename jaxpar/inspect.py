@@ -11,5 +11,7 @@ from jaxpar._src.inspection import collectives as collectives
 from jaxpar._src.inspection import flops as flops
 from jaxpar._src.inspection import hlo_text as hlo_text
 from jaxpar._src.inspection import memory as memory
+from jaxpar._src.inspection import saved_activations as saved_activations
 
-__all__ = ["CollectiveRecord", "Collectives", "collectives", "flops", "hlo_text", "memory"]
+__all__ = ["CollectiveRecord", "Collectives", "collectives", "flops", "hlo_text", "memory",
+           "saved_activations"]

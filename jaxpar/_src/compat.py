@@ -51,10 +51,13 @@ def source_location(eqn: jcore.JaxprEqn) -> str:
 _LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
-def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list."""
+def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
+                  params: dict[str, Any] | None = None) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list.
+    ``params`` replaces the equation's parameters (e.g. a new accumulation dtype)."""
     prim = eqn.primitive
-    got = prim.get_bind_params(eqn.params) if hasattr(prim, "get_bind_params") else eqn.params
+    params = eqn.params if params is None else params
+    got = prim.get_bind_params(params) if hasattr(prim, "get_bind_params") else params
     # JAX < 0.7 returned (subfuns, params); newer versions return the params alone.
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
         subfuns, bind_params = got

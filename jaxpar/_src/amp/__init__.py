@@ -1,0 +1,1 @@
+"""Mixed precision: AMP levels as a jaxpr transform, and loss scaling."""
