@@ -21,9 +21,11 @@ def _fresh_context():
     """Every test starts from the default auto-parallel context."""
     jaxpar.reset_auto_parallel_context()
     jaxpar.reset_algo_parameters()
+    jaxpar.set_context(mode=jaxpar.GRAPH_MODE)
     yield
     jaxpar.reset_auto_parallel_context()
     jaxpar.reset_algo_parameters()
+    jaxpar.set_context(mode=jaxpar.GRAPH_MODE)
 
 
 @pytest.fixture(autouse=True)

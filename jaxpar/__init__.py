@@ -9,6 +9,7 @@ propagated, or searched), emits ``NamedSharding`` constraints and lets XLA inser
 
 from jaxpar import dataset as dataset
 from jaxpar import inspect as inspect
+from jaxpar import metrics as metrics
 from jaxpar._src.amp.loss_scale import DynamicLossScaleManager as DynamicLossScaleManager
 from jaxpar._src.amp.loss_scale import FixedLossScaleManager as FixedLossScaleManager
 from jaxpar._src.amp.loss_scale import LossScaleState as LossScaleState
@@ -31,6 +32,10 @@ from jaxpar._src.errors import JaxparWarning as JaxparWarning
 from jaxpar._src.errors import MeshError as MeshError
 from jaxpar._src.errors import PlanError as PlanError
 from jaxpar._src.errors import StrategyError as StrategyError
+from jaxpar._src.execution import GRAPH_MODE as GRAPH_MODE
+from jaxpar._src.execution import PYNATIVE_MODE as PYNATIVE_MODE
+from jaxpar._src.execution import get_context as get_context
+from jaxpar._src.execution import set_context as set_context
 from jaxpar._src.hardware import HardwareProfile as HardwareProfile
 from jaxpar._src.layout import Layout as Layout
 from jaxpar._src.mesh import make_mesh as make_mesh
@@ -40,6 +45,16 @@ from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
 from jaxpar._src.shard import shard as shard
+from jaxpar._src.train.callbacks import Callback as Callback
+from jaxpar._src.train.callbacks import CallbackParams as CallbackParams
+from jaxpar._src.train.callbacks import CheckpointConfig as CheckpointConfig
+from jaxpar._src.train.callbacks import LossMonitor as LossMonitor
+from jaxpar._src.train.callbacks import ModelCheckpoint as ModelCheckpoint
+from jaxpar._src.train.callbacks import ProgressBar as ProgressBar
+from jaxpar._src.train.callbacks import RunContext as RunContext
+from jaxpar._src.train.callbacks import TimeMonitor as TimeMonitor
+from jaxpar._src.train.callbacks import load_checkpoint as load_checkpoint
+from jaxpar._src.train.model import Model as Model
 from jaxpar._src.train.reducer import DistributedGradReducer as DistributedGradReducer
 from jaxpar._src.train.replicas import PerReplica as PerReplica
 from jaxpar._src.train.replicas import per_replica as per_replica
@@ -51,13 +66,15 @@ from jaxpar._src.train.seed import set_seed as set_seed
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContextError", "DatasetError", "DistributedGradReducer", "DynamicLossScaleManager",
-    "FactorRule", "FixedLossScaleManager", "HardwareProfile", "JaxparError", "JaxparWarning",
-    "Layout", "LossScaleState", "MeshError", "OpDecision", "ParallelMode", "Parallelized",
-    "PerReplica", "PlanError", "RuleBuilder", "ShardingPlan", "StrategyError", "all_finite",
+    "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
+    "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
+    "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",
+    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PYNATIVE_MODE",
+    "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar", "RuleBuilder",
+    "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
     "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",
-    "get_auto_parallel_context", "get_seed", "inspect", "make_mesh", "parallelize",
-    "parameter_broadcast", "per_replica", "random_key", "register_rule",
-    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
-    "set_auto_parallel_context", "set_seed", "shard",
+    "get_auto_parallel_context", "get_context", "get_seed", "inspect", "load_checkpoint",
+    "make_mesh", "metrics", "parallelize", "parameter_broadcast", "per_replica", "random_key",
+    "register_rule", "reset_algo_parameters", "reset_auto_parallel_context",
+    "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_seed", "shard",
 ]

@@ -28,6 +28,7 @@ from jaxpar._src.data_parallel import (
     infer_batch_argnums,
 )
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
+from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.layout import Layout
@@ -109,6 +110,9 @@ class Parallelized:
         dyn = jax.tree.unflatten(tree, placed)
         it = iter(dyn)
         full = [a if i in self._static else next(it) for i, a in enumerate(args)]
+        if pynative():  # eager, op by op, on the arguments placed as the plan says
+            with jax.disable_jit():
+                return self._fn(*full)
         return entry.jitted(*full)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

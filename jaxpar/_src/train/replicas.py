@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar._src.context import current_context
 from jaxpar._src.data_parallel import infer_batch_argnums
 from jaxpar._src.errors import ContextError, StrategyError, warn_once
+from jaxpar._src.execution import pynative
 from jaxpar._src.mesh import check_auto_axes, make_mesh
 from jaxpar._src.state import threaded_state
 from jaxpar._src.tracing_state import reducer_calls, replicas_with
@@ -85,7 +86,7 @@ class PerReplica:
         self._static = _as_tuple(static_argnums) or ()
         self._donate = _as_tuple(donate_argnums) or ()
         self._mesh = mesh
-        self._cache: dict[Any, Callable] = {}
+        self._cache: dict[Any, tuple[Callable, Callable]] = {}
         try:
             self._names = [p for p in inspect.signature(fn).parameters]
         except (TypeError, ValueError):
@@ -93,11 +94,15 @@ class PerReplica:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any) -> Any:
-        return self._compiled(args)(*args)
+        jitted, eager = self._compiled(args)
+        if pynative():  # the shard_map runs eagerly, operator by operator
+            with jax.disable_jit():
+                return eager(*args)
+        return jitted(*args)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` program of one step on every replica."""
-        return self._compiled(args).lower(*args)
+        return self._compiled(args)[0].lower(*args)
 
     # -- internals ----------------------------------------------------------------------------
     def _settings(self) -> tuple[Mesh, Any]:
@@ -114,18 +119,20 @@ class PerReplica:
                 f"dataset_strategy='data_parallel' / 'full_batch' here.")
         return mesh, ctx.dataset_strategy
 
-    def _compiled(self, args: tuple) -> Callable:
+    def _compiled(self, args: tuple) -> tuple[Callable, Callable]:
+        """The jitted step and its eager form (for PYNATIVE_MODE)."""
         mesh, dataset_strategy = self._settings()
-        key = (_signature(args, self._static), id(mesh), dataset_strategy)
-        jitted = self._cache.get(key)
-        if jitted is None:
-            jitted = self._cache[key] = self._build(args, mesh, dataset_strategy)
-        return jitted
+        key = (_signature(args, self._static), mesh, dataset_strategy)
+        built = self._cache.get(key)
+        if built is None:
+            built = self._cache[key] = self._build(args, mesh, dataset_strategy)
+        return built
 
     def _name(self, i: int) -> str:
         return self._names[i] if i < len(self._names) else f"arg{i}"
 
-    def _build(self, args: tuple, mesh: Mesh, dataset_strategy: str) -> Callable:
+    def _build(self, args: tuple, mesh: Mesh, dataset_strategy: str
+               ) -> tuple[Callable, Callable]:
         axes = tuple(mesh.axis_names)
         n = int(mesh.devices.size)
         dyn = [i for i in range(len(args)) if i not in self._static]
@@ -177,7 +184,7 @@ class PerReplica:
             return list(outs) if isinstance(shapes, list) else outs
 
         donate = tuple(i for i in self._donate if i not in self._static)
-        return jax.jit(run, static_argnums=self._static, donate_argnums=donate)
+        return jax.jit(run, static_argnums=self._static, donate_argnums=donate), run
 
     def _call(self, args: tuple, dyn: Sequence[int], dyn_args: Sequence[Any],
               axes: tuple[str, ...]) -> Any:

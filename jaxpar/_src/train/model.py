@@ -1,0 +1,322 @@
+"""``Model``: MindSpore's high-level ``train`` / ``eval`` / ``predict`` on jaxpar's modes.
+
+The parallel mode comes from the auto-parallel context:
+
+* ``stand_alone``: the step is ``jax.jit``-compiled on one device;
+* ``data_parallel``: the step runs per replica (:func:`jaxpar.per_replica`) and a
+  :class:`~jaxpar.DistributedGradReducer` averages the gradients in the buckets the
+  communication-fusion configuration chooses;
+* ``semi_auto_parallel`` / ``auto_parallel``: the whole train step goes through
+  :func:`jaxpar.parallelize` (``jaxpar.shard`` annotations inside the network are honoured,
+  the rest propagated or searched).
+
+Batches come from a ``jaxpar.dataset`` (laid out by ``dataset_strategy``) or any iterable of
+tuples; every column but the last is a network input, the last is the label.  ``amp_level`` and
+``loss_scale_manager`` add mixed precision and loss scaling; ``set_context(mode=PYNATIVE_MODE)``
+runs the steps eagerly.
+
+>>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
+>>> params = {"w": jnp.zeros((4, 2))}
+>>> model = jaxpar.Model((params, lambda p, x: x @ p["w"]),
+...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+...                      optimizer=optax.sgd(0.1), metrics={"mse": jaxpar.metrics.MSE()})
+>>> x, y = np.ones((16, 4), np.float32), np.ones((16, 2), np.float32)
+>>> model.train(3, [(x, y)])
+>>> round(model.eval([(x, y)])["mse"], 4)
+0.0467
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar._src.amp.precision import LEVELS, Policy, mixed_precision_fn
+from jaxpar._src.context import ParallelMode, current_context
+from jaxpar._src.data.dataset import Dataset
+from jaxpar._src.data.placement import to_global
+from jaxpar._src.errors import ContextError
+from jaxpar._src.execution import pynative
+from jaxpar._src.train import metrics as metric_lib
+from jaxpar._src.train.callbacks import Callback, CallbackParams, ProgressBar, RunContext
+from jaxpar._src.train.network import Network
+from jaxpar._src.train.reducer import DistributedGradReducer
+from jaxpar._src.train.replicas import per_replica
+from jaxpar._src.train.seed import parameter_broadcast
+
+AUTO_PROGRESS_STEPS = 200  # runs at least this long get a progress bar by default
+METRIC_NAMES = {"accuracy": metric_lib.Accuracy, "acc": metric_lib.Accuracy,
+                "loss": metric_lib.Loss, "mae": metric_lib.MAE, "mse": metric_lib.MSE}
+
+
+class Model:
+    """Trains, evaluates and runs a network.
+
+    Args:
+      network: a Flax NNX module, or a ``(params, apply_fn)`` pair with
+        ``apply_fn(params, *inputs) -> outputs``.
+      loss_fn: ``loss_fn(outputs, labels) -> scalar``.
+      optimizer: an optax ``GradientTransformation``.
+      metrics: ``{"name": jaxpar.metrics.Metric()}``, or names (``"accuracy"``, ``"loss"``,
+        ``"mae"``, ``"mse"``).
+      amp_level: ``"O0"`` to ``"O3"`` (see :func:`jaxpar.auto_mixed_precision`).
+      amp_dtype: the low-precision dtype.
+      loss_scale_manager: a :class:`~jaxpar.FixedLossScaleManager` or
+        :class:`~jaxpar.DynamicLossScaleManager`.
+    """
+
+    def __init__(self, network: Any, loss_fn: Any = None, optimizer: Any = None,
+                 metrics: Any = None, *, amp_level: str = "O0", amp_dtype: Any = jnp.bfloat16,
+                 loss_scale_manager: Any = None) -> None:
+        if amp_level not in LEVELS:
+            raise ContextError(f"jaxpar.Model: amp_level must be one of {list(LEVELS)}, got "
+                               f"{amp_level!r}.")
+        self.network = network
+        self._net = Network.of(network)
+        self._apply = mixed_precision_fn(self._net.apply, Policy(amp_level, jnp.dtype(amp_dtype)))
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.metrics = _metrics(metrics)
+        self.loss_scale_manager = loss_scale_manager
+        self._opt_state = None
+        self._ls_state = None
+        self._steps: dict[Any, Any] = {}
+        self.history: list[float] = []  # every training step's loss
+
+    @property
+    def params(self) -> Any:
+        """The current (trained) parameters."""
+        return self._net.params
+
+    # -- training -----------------------------------------------------------------------------
+    def train(self, epoch: int, train_dataset: Iterable, callbacks: Sequence[Callback] = (),
+              progress: bool | None = None) -> None:
+        """Trains for ``epoch`` passes over ``train_dataset``.
+
+        Args:
+          epoch: number of epochs.
+          train_dataset: a ``jaxpar.dataset`` dataset or an iterable of batch tuples.
+          callbacks: e.g. ``[jaxpar.LossMonitor(10), jaxpar.ModelCheckpoint(...)]``.
+          progress: a progress bar (rank 0); default: for runs of 200 steps or more.
+        """
+        if self.loss_fn is None or self.optimizer is None:
+            raise ContextError("jaxpar.Model.train needs loss_fn and optimizer.")
+        if not isinstance(epoch, int) or epoch < 1:
+            raise ContextError(f"jaxpar.Model.train: epoch must be a positive int, got {epoch!r}.")
+        params, rest = self._net.params, self._net.rest
+        if current_context().parameter_broadcast:
+            params = parameter_broadcast(params)
+        if self._opt_state is None:
+            self._opt_state = self.optimizer.init(params)
+        if self._ls_state is None and self.loss_scale_manager is not None:
+            self._ls_state = self.loss_scale_manager.init()
+        state = (params, rest, self._opt_state, self._ls_state or ())
+        batch_num = _length(train_dataset)
+        callbacks = list(callbacks)
+        if progress or (progress is None and batch_num and
+                        epoch * batch_num >= AUTO_PROGRESS_STEPS):
+            callbacks.append(ProgressBar())
+        cb = CallbackParams(epoch_num=epoch, batch_num=batch_num or 0, model=self,
+                            train_state=state)
+        run = RunContext(cb)
+        for c in callbacks:
+            c.on_train_begin(run)
+        try:
+            for e in range(1, epoch + 1):
+                cb.cur_epoch_num = e
+                for c in callbacks:
+                    c.on_train_epoch_begin(run)
+                for batch in self._batches(train_dataset):
+                    for c in callbacks:
+                        c.on_train_step_begin(run)
+                    step = self._train_step(state, batch)
+                    state, loss = step(state, *batch)
+                    cb.cur_step_num += 1
+                    cb.net_outputs, cb.train_state = loss, state
+                    self.history.append(float(np.mean(np.asarray(loss))))
+                    for c in callbacks:
+                        c.on_train_step_end(run)
+                    if run.stop_requested:
+                        break
+                for c in callbacks:
+                    c.on_train_epoch_end(run)
+                if run.stop_requested:
+                    break
+            for c in callbacks:
+                c.on_train_end(run)
+        finally:
+            params, rest, self._opt_state, ls = state
+            self._ls_state = ls if self.loss_scale_manager is not None else None
+            self._net.write_back(params, rest)
+
+    def _train_step(self, state: Any, batch: tuple) -> Any:
+        ctx = current_context()
+        mode = ctx.parallel_mode
+        key = ("train", mode, ctx.search_mode, ctx.mesh, ctx.dataset_strategy, len(batch))
+        step = self._steps.get(key)
+        if step is not None:
+            return step
+        apply, loss_fn, optimizer = self._apply, self.loss_fn, self.optimizer
+        manager = self.loss_scale_manager
+        reducer = DistributedGradReducer(state[0]) if mode is ParallelMode.DATA_PARALLEL \
+            else None
+
+        def train_step(state: Any, *batch: Any) -> Any:
+            import optax
+
+            params, rest, opt_state, ls = state
+            *inputs, labels = batch
+
+            def loss_of(p: Any) -> Any:
+                out, new_rest = apply(p, rest, *inputs)
+                loss = loss_fn(out, labels)
+                return (manager.scale(loss, ls) if manager else loss), (loss, new_rest)
+
+            grads, (loss, new_rest) = jax.grad(loss_of, has_aux=True)(params)
+            if reducer is not None:
+                grads = reducer(grads)
+            if manager is not None:
+                grads, finite, ls = manager.apply(grads, ls)
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if manager is not None:
+                new_params = manager.select(finite, new_params, params)
+                new_opt = manager.select(finite, new_opt, opt_state)
+            return (new_params, new_rest, new_opt, ls), loss
+
+        batch_argnums = tuple(range(1, 1 + len(batch)))
+        if mode is ParallelMode.STAND_ALONE:
+            step = _eager_or_jit(train_step)
+        elif mode is ParallelMode.DATA_PARALLEL:
+            step = per_replica(train_step, batch_argnums=batch_argnums)
+        else:
+            from jaxpar._src.api import parallelize
+
+            step = parallelize(train_step, parallel_mode=mode, batch_argnums=batch_argnums)
+        self._steps[key] = step
+        return step
+
+    def lower(self, *batch: Any) -> jax.stages.Lowered:
+        """The train step this context would run on ``batch``, lowered (``.compile()`` it and
+        read its collectives with ``jaxpar.inspect``)."""
+        params, rest = self._net.params, self._net.rest
+        opt_state = self._opt_state if self._opt_state is not None else \
+            self.optimizer.init(params)
+        ls = self._ls_state if self._ls_state is not None else (
+            self.loss_scale_manager.init() if self.loss_scale_manager is not None else ())
+        state = (params, rest, opt_state, ls)
+        placed = self._place(tuple(batch))
+        return self._train_step(state, placed).lower(state, *placed)
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def eval(self, valid_dataset: Iterable) -> dict[str, float]:
+        """The metrics (and the loss, when there is a ``loss_fn``) over ``valid_dataset``."""
+        for m in self.metrics.values():
+            m.clear()
+        loss_metric = metric_lib.Loss() if self.loss_fn is not None else None
+        for batch in self._batches(valid_dataset):
+            *inputs, labels = batch
+            out, loss = self._forward(len(inputs), with_loss=True)(
+                self._net.params, self._net.rest, *inputs, labels)
+            out, labels_np = np.asarray(out), np.asarray(labels)
+            for m in self.metrics.values():
+                m.update(out, labels_np, loss)
+            if loss_metric is not None:
+                loss_metric.update(out, labels_np, loss)
+        results = {name: m.eval() for name, m in self.metrics.items()}
+        if loss_metric is not None and "loss" not in results:
+            results["loss"] = loss_metric.eval()
+        return results
+
+    def predict(self, *inputs: Any) -> Any:
+        """The network's outputs for ``inputs`` (global arrays or NumPy)."""
+        placed = self._place(tuple(inputs))
+        return self._forward(len(inputs), with_loss=False)(self._net.params, self._net.rest,
+                                                           *placed)
+
+    def _forward(self, n_inputs: int, *, with_loss: bool) -> Any:
+        ctx = current_context()
+        key = ("forward", with_loss, ctx.parallel_mode, ctx.search_mode, ctx.mesh,
+               ctx.dataset_strategy, n_inputs)
+        fn = self._steps.get(key)
+        if fn is not None:
+            return fn
+        apply, loss_fn = self._apply, self.loss_fn
+
+        def forward(params: Any, rest: Any, *batch: Any) -> Any:
+            if not with_loss:
+                return apply(params, rest, *batch)[0]
+            *inputs, labels = batch
+            out = apply(params, rest, *inputs)[0]
+            return out, (loss_fn(out, labels) if loss_fn is not None else jnp.zeros(()))
+
+        mode = ctx.parallel_mode
+        batch_argnums = tuple(range(2, 2 + n_inputs + int(with_loss)))
+        if mode is ParallelMode.STAND_ALONE:
+            fn = _eager_or_jit(forward)
+        else:
+            from jaxpar._src.api import parallelize
+
+            fn = parallelize(forward, parallel_mode=mode, batch_argnums=batch_argnums)
+        self._steps[key] = fn
+        return fn
+
+    # -- data ---------------------------------------------------------------------------------
+    def _batches(self, data: Iterable) -> Iterable[tuple]:
+        if current_context().parallel_mode is ParallelMode.STAND_ALONE:
+            for batch in data:
+                yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+            return
+        if isinstance(data, Dataset):
+            yield from data.global_batches()
+            return
+        for batch in data:
+            yield self._place(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
+
+    def _place(self, batch: tuple) -> tuple:
+        if current_context().parallel_mode is ParallelMode.STAND_ALONE:
+            return batch
+        return tuple(to_global(tuple(np.asarray(b) for b in batch)))
+
+
+def _eager_or_jit(fn: Any) -> Any:
+    jitted = jax.jit(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        if pynative():
+            with jax.disable_jit():
+                return fn(*args)
+        return jitted(*args)
+
+    run.lower = jitted.lower  # type: ignore[attr-defined]
+    return run
+
+
+def _metrics(metrics: Any) -> dict[str, metric_lib.Metric]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        bad = [k for k, v in metrics.items() if not isinstance(v, metric_lib.Metric)]
+        if bad:
+            raise ContextError(f"jaxpar.Model: metrics {bad} are not jaxpar.metrics.Metric "
+                               f"objects.")
+        return dict(metrics)
+    names = [metrics] if isinstance(metrics, str) else list(metrics)
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown:
+        raise ContextError(f"jaxpar.Model: unknown metrics {unknown}; known names: "
+                           f"{sorted(METRIC_NAMES)}.")
+    return {n: METRIC_NAMES[n]() for n in names}
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
