@@ -37,6 +37,10 @@ from jaxpar._src.execution import PYNATIVE_MODE as PYNATIVE_MODE
 from jaxpar._src.execution import get_context as get_context
 from jaxpar._src.execution import set_context as set_context
 from jaxpar._src.hardware import HardwareProfile as HardwareProfile
+from jaxpar._src.launch.comm import get_group_size as get_group_size
+from jaxpar._src.launch.comm import get_local_rank as get_local_rank
+from jaxpar._src.launch.comm import get_rank as get_rank
+from jaxpar._src.launch.comm import init as init
 from jaxpar._src.layout import Layout as Layout
 from jaxpar._src.mesh import make_mesh as make_mesh
 from jaxpar._src.plan import OpDecision as OpDecision
@@ -73,8 +77,9 @@ __all__ = [
     "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar", "RuleBuilder",
     "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
     "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",
-    "get_auto_parallel_context", "get_context", "get_seed", "inspect", "load_checkpoint",
-    "make_mesh", "metrics", "parallelize", "parameter_broadcast", "per_replica", "random_key",
-    "register_rule", "reset_algo_parameters", "reset_auto_parallel_context",
-    "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_seed", "shard",
+    "get_auto_parallel_context", "get_context", "get_group_size", "get_local_rank", "get_rank",
+    "get_seed", "init", "inspect", "load_checkpoint", "make_mesh", "metrics", "parallelize",
+    "parameter_broadcast", "per_replica", "random_key", "register_rule",
+    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
+    "set_auto_parallel_context", "set_context", "set_seed", "shard",
 ]

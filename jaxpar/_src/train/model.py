@@ -137,8 +137,9 @@ class Model:
                     step = self._train_step(state, batch)
                     state, loss = step(state, *batch)
                     cb.cur_step_num += 1
+                    loss = float(np.mean(to_numpy(loss)))
                     cb.net_outputs, cb.train_state = loss, state
-                    self.history.append(float(np.mean(np.asarray(loss))))
+                    self.history.append(loss)
                     for c in callbacks:
                         c.on_train_step_end(run)
                     if run.stop_requested:
@@ -223,7 +224,7 @@ class Model:
             *inputs, labels = batch
             out, loss = self._forward(len(inputs), with_loss=True)(
                 self._net.params, self._net.rest, *inputs, labels)
-            out, labels_np = np.asarray(out), np.asarray(labels)
+            out, labels_np, loss = to_numpy(out), to_numpy(labels), to_numpy(loss)
             for m in self.metrics.values():
                 m.update(out, labels_np, loss)
             if loss_metric is not None:
@@ -282,6 +283,15 @@ class Model:
         if current_context().parallel_mode is ParallelMode.STAND_ALONE:
             return batch
         return tuple(to_global(tuple(np.asarray(b) for b in batch)))
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A global array's value on the host, also when it spans other processes' devices."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _eager_or_jit(fn: Any) -> Any:

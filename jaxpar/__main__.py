@@ -1,0 +1,8 @@
+"""``python -m jaxpar run ...`` / ``python -m jaxpar k8s ...``."""
+
+import sys
+
+from jaxpar._src.launch.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

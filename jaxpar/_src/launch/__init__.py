@@ -1,0 +1,1 @@
+"""Beyond one process: jax.distributed start-up, the local launcher, Kubernetes manifests."""
