@@ -1,12 +1,14 @@
 """A digits classifier trained data-parallel with ``jaxpar.Model`` on 8 emulated devices.
 
     python examples/digits_data_parallel.py [--smoke] [--epochs 20] [--plot loss.png]
+    jaxpar run -n 2 --devices-per-process 4 examples/digits_data_parallel.py   # 2 processes
 
 MindSpore's data-parallel tutorial, in JAX: scikit-learn's digits (shipped inside the package, no
 download), a ``jaxpar.dataset`` pipeline, a Flax NNX classifier, ``Model.train`` in
 ``data_parallel`` mode (every device trains on its slice of each batch, a
 ``DistributedGradReducer`` averages the gradients), then the test accuracy, the all-reduce XLA
-compiled, and the loss curve.
+compiled, and the loss curve.  Under ``jaxpar run`` each process reads its shard of the data
+and the 8 devices are those of all processes together.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+DEVICES = int(os.environ.get("JAX_NUM_CPU_DEVICES", 8))  # jaxpar run sets it per process
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", DEVICES)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -28,6 +32,8 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar import dataset as ds  # noqa: E402
+
+jaxpar.init()  # joins the other processes under jaxpar run; nothing to do in one process
 
 
 class Classifier(nnx.Module):

@@ -10,6 +10,7 @@ propagated, or searched), emits ``NamedSharding`` constraints and lets XLA inser
 from jaxpar import dataset as dataset
 from jaxpar import inspect as inspect
 from jaxpar import metrics as metrics
+from jaxpar import ps as ps
 from jaxpar._src.amp.loss_scale import DynamicLossScaleManager as DynamicLossScaleManager
 from jaxpar._src.amp.loss_scale import FixedLossScaleManager as FixedLossScaleManager
 from jaxpar._src.amp.loss_scale import LossScaleState as LossScaleState
@@ -31,6 +32,7 @@ from jaxpar._src.errors import JaxparError as JaxparError
 from jaxpar._src.errors import JaxparWarning as JaxparWarning
 from jaxpar._src.errors import MeshError as MeshError
 from jaxpar._src.errors import PlanError as PlanError
+from jaxpar._src.errors import PSError as PSError
 from jaxpar._src.errors import StrategyError as StrategyError
 from jaxpar._src.execution import GRAPH_MODE as GRAPH_MODE
 from jaxpar._src.execution import PYNATIVE_MODE as PYNATIVE_MODE
@@ -45,6 +47,9 @@ from jaxpar._src.layout import Layout as Layout
 from jaxpar._src.mesh import make_mesh as make_mesh
 from jaxpar._src.plan import OpDecision as OpDecision
 from jaxpar._src.plan import ShardingPlan as ShardingPlan
+from jaxpar._src.ps.context import get_ps_context as get_ps_context
+from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
+from jaxpar._src.ps.context import set_ps_context as set_ps_context
 from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
@@ -73,13 +78,14 @@ __all__ = [
     "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
     "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
     "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",
-    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PYNATIVE_MODE",
-    "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar", "RuleBuilder",
-    "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
+    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PSError",
+    "PYNATIVE_MODE", "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar",
+    "RuleBuilder", "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
     "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",
-    "get_auto_parallel_context", "get_context", "get_group_size", "get_local_rank", "get_rank",
-    "get_seed", "init", "inspect", "load_checkpoint", "make_mesh", "metrics", "parallelize",
-    "parameter_broadcast", "per_replica", "random_key", "register_rule",
-    "reset_algo_parameters", "reset_auto_parallel_context", "set_algo_parameters",
-    "set_auto_parallel_context", "set_context", "set_seed", "shard",
+    "get_auto_parallel_context", "get_context", "get_group_size", "get_local_rank",
+    "get_ps_context", "get_rank", "get_seed", "init", "inspect", "load_checkpoint", "make_mesh",
+    "metrics", "parallelize", "parameter_broadcast", "per_replica", "ps", "random_key",
+    "register_rule", "reset_algo_parameters", "reset_auto_parallel_context", "reset_ps_context",
+    "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_ps_context",
+    "set_seed", "shard",
 ]

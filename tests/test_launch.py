@@ -73,6 +73,18 @@ def test_two_processes_match_one_process(tmp_path):
     assert a["history"].shape == (4,) and a["history"][-1] < a["history"][0]  # 2 epochs x 2
 
 
+@pytest.mark.slow
+def test_the_readme_example_runs_on_two_processes(tmp_path):
+    run = subprocess.run(
+        [str(JAXPAR), "run", "-n", "2", "--devices-per-process", "4", "--timeout", "240",
+         str(ROOT / "examples" / "digits_data_parallel.py"), "--smoke"],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "1 all-reduce" in run.stdout and "over 8 devices" in run.stdout
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", run.stdout).group(1))
+    assert accuracy > 0.7
+
+
 # -- stopping ----------------------------------------------------------------------------------
 def _start_sleepers(tmp_path: Path, n: int = 2, *extra: str) -> subprocess.Popen:
     pids = tmp_path / "pids"

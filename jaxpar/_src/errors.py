@@ -51,3 +51,7 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     warnings.warn(message, JaxparWarning, stacklevel=3)
+
+
+class PSError(JaxparError):
+    """Parameter-server training cannot go on: a bad configuration, or nothing left to run on."""

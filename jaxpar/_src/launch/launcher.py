@@ -82,8 +82,7 @@ def worker_env(config: LaunchConfig, local_rank: int, port: int,
         env["JAXPAR_DEVICES_PER_PROCESS"] = str(config.devices_per_process)
         env["JAX_NUM_CPU_DEVICES"] = str(config.devices_per_process)
         # one device count only: the XLA flag would fight JAX_NUM_CPU_DEVICES
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                       env.get("XLA_FLAGS", "")).strip()
+        flags = without_device_count(env.get("XLA_FLAGS", ""))
         if flags:
             env["XLA_FLAGS"] = flags
         else:
@@ -91,6 +90,15 @@ def worker_env(config: LaunchConfig, local_rank: int, port: int,
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         env.pop(proxy, None)  # the coordinator is local; a proxy would only get in the way
     return env
+
+
+def without_device_count(xla_flags: str) -> str:
+    """``XLA_FLAGS`` without ``--xla_force_host_platform_device_count``.
+
+    >>> without_device_count("--xla_force_host_platform_device_count=8 --xla_dump_to=d")
+    '--xla_dump_to=d'
+    """
+    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).strip()
 
 
 class Launcher:

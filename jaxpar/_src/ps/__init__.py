@@ -1,0 +1,1 @@
+"""Parameter-server training on Ray Core (``jaxpar.ps``)."""

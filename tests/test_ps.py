@@ -1,0 +1,236 @@
+"""Parameter-server mode on a real local Ray: servers and workers are actor processes.
+
+The synchronous runs are compared with jaxpar's data-parallel training on the same batches,
+through worker deaths, an added and a removed worker, and a server restored from its
+checkpoint; the asynchronous one must reach a comparable accuracy.
+"""
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar import ps
+
+ray = pytest.importorskip("ray")
+# ray.init starts its processes with fork+exec, which JAX's warning about fork cannot tell apart
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+ROOT = Path(__file__).parent.parent
+BATCH = 96
+OPT = optax.sgd(0.2, momentum=0.9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # the actors import this module's functions
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def classifier(params, x):
+    return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+def loss_fn(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(classifier(params, x), y).mean()
+
+
+def digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16).astype(np.float32), y.astype(np.int32)
+
+
+def batches(x, y, steps, seed=0):
+    order = np.random.default_rng(seed).permutation(len(x))
+    out = []
+    for i in range(steps):
+        idx = order[(i * BATCH) % (len(x) - BATCH):][:BATCH]
+        out.append((x[idx], y[idx]))
+    return out
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {"w1": (rng.normal(size=(64, 32)) / 8).astype(np.float32),
+            "b1": np.zeros(32, np.float32),
+            "w2": (rng.normal(size=(32, 10)) / 6).astype(np.float32),
+            "b2": np.zeros(10, np.float32)}
+
+
+def data_parallel(params, data):
+    """The reference: jaxpar's data-parallel train step on 8 devices, same batches."""
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, state = OPT.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    train = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel",
+                               batch_argnums=(2, 3))
+    state = OPT.init(params)
+    losses = []
+    for x, y in data:
+        params, state, loss = train(params, state, x, y)
+        losses.append(float(loss))
+    return jax.tree.map(np.asarray, params), losses
+
+
+def accuracy(params, x, y):
+    return float(np.mean(np.argmax(classifier(params, x), -1) == y))
+
+
+def assert_same_params(a, b):
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_sync_equals_data_parallel():
+    x, y = digits()
+    data = batches(x, y, 8)
+    expected, losses = data_parallel(init_params(), data)
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2,
+                                   worker_num=3) as trainer:
+        history = trainer.train(data)
+        got = trainer.params
+        report = trainer.report()
+    assert_same_params(got, expected)
+    np.testing.assert_allclose([h.loss for h in history], losses, rtol=1e-4)
+    assert all(len(h.workers) == 3 for h in history)
+    assert report.steps == (8, 8)
+    assert report.applied == (3 * 8, 3 * 8)  # workers x steps on every server
+    assert report.duplicates_ignored == 0 and report.worker_restarts == 0
+    assert ps.assign_by_size([64 * 32 * 4, 32 * 4, 32 * 10 * 4, 10 * 4], 2) == (0, 1, 1, 1)
+
+
+def test_elastic_workers_and_worker_faults_keep_data_parallel_numbers():
+    x, y = digits()
+    data = batches(x, y, 9, seed=1)
+    expected, _ = data_parallel(init_params(), data)
+    added = []
+
+    def chaos(trainer, info):
+        if info.step == 1:
+            added.append(trainer.add_worker())  # joins at step 2
+        if info.step == 3:
+            ray.kill(trainer.workers[0])  # dies between steps: restarted at step 4
+        if info.step == 4:  # in step 5, worker 1 dies after pushing to server 0 only
+            ray.get(trainer.workers[1].inject_fault.remote(5, 1))
+        if info.step == 6:
+            trainer.remove_worker(2)  # leaves at step 7
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2,
+                                   worker_num=3) as trainer:
+        history = trainer.train(data, callbacks=[chaos])
+        got = trainer.params
+        report = trainer.report()
+    workers = [h.workers for h in history]
+    assert workers[:2] == [(0, 1, 2)] * 2
+    assert workers[2:7] == [(0, 1, 2, added[0])] * 5  # picked up at the next step
+    assert workers[7:] == [(0, 1, added[0])] * 2
+    assert_same_params(got, expected)  # no part lost, none applied twice
+    assert report.worker_restarts == 2
+    assert report.duplicates_ignored == 1  # worker 1's part of step 5, pushed again
+    assert report.applied == (sum(map(len, workers)),) * 2
+
+
+def test_a_dead_server_restores_its_checkpoint(tmp_path):
+    x, y = digits()
+    data = batches(x, y, 8, seed=2)
+    expected, _ = data_parallel(init_params(), data)
+    killed = []
+
+    def kill_server(trainer, info):
+        if info.step == 6 and not killed:  # 7 steps done; the last checkpoint is step 6
+            killed.append(True)
+            ray.kill(trainer.servers[1])
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
+                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
+        history = trainer.train(data, callbacks=[kill_server])
+        got = trainer.params
+        report = trainer.report()
+    assert report.server_restores == 1
+    assert report.redone_steps == 1  # step 6 (the 7th) computed again
+    assert [h.step for h in history] == [0, 1, 2, 3, 4, 5, 6, 6, 7]
+    assert report.steps == (8, 8) and report.applied == (24, 24)
+    assert_same_params(got, expected)
+    assert sorted(os.listdir(tmp_path)) == ["server_0", "server_1"]
+
+
+def test_async_converges_and_survives_a_dropped_worker():
+    x, y = digits()
+    train, test = (x[:1440], y[:1440]), (x[1440:], y[1440:])
+    data = batches(*train, 45, seed=3)
+    sync_params, _ = data_parallel(init_params(), data)
+
+    def kill(trainer, info):
+        if info.step == 40:
+            ray.kill(trainer.workers[2])
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
+                                   mode="async", max_staleness=4,
+                                   on_worker_failure="drop") as trainer:
+        history = trainer.train(data, callbacks=[kill])
+        got = trainer.params
+        report = trainer.report()
+    assert sum(h.samples for h in history) == 45 * BATCH  # every sample once
+    assert report.applied == (len(history),) * 2  # each part applied once on each server
+    assert report.workers_dropped == (2,)
+    assert {h.workers for h in history[-10:]} <= {(0,), (1,)}
+    sync_acc, async_acc = accuracy(sync_params, *test), accuracy(got, *test)
+    assert sync_acc > 0.85
+    assert async_acc > sync_acc - 0.05, (sync_acc, async_acc)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(server_num=5), "5 servers but only 4 parameter tensors"),
+    (dict(mode="eventually"), "mode='eventually' is not one of"),
+    (dict(checkpoint_every=2), "needs checkpoint_dir"),
+    (dict(on_worker_failure="ignore"), "on_worker_failure='ignore'"),
+])
+def test_bad_configuration_is_refused(options, message):
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        ps.ParameterServerTrainer(loss_fn, init_params(), OPT, **options)
+
+
+def test_ps_context_defaults():
+    ps.set_ps_context(enable_ps=True, server_num=2, worker_num=2, mode="async")
+    try:
+        assert jaxpar.get_ps_context("mode") == "async"
+        with pytest.raises(jaxpar.JaxparError, match="unknown option"):
+            ps.set_ps_context(servers=2)
+    finally:
+        ps.reset_ps_context()
+    assert jaxpar.get_ps_context("server_num") == 1
+
+
+def test_async_server_restore_counts_lost_updates(tmp_path):
+    x, y = digits()
+    data = batches(x, y, 12, seed=4)
+
+    def kill_server(trainer, info):
+        if info.step == 20:
+            ray.kill(trainer.servers[0])
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
+                                   mode="async", checkpoint_every=8,
+                                   checkpoint_dir=str(tmp_path)) as trainer:
+        history = trainer.train(data, callbacks=[kill_server])
+        report = trainer.report()
+    assert sum(h.samples for h in history) == 12 * BATCH  # training finished
+    assert report.server_restores == 1
+    # server 0 went back to its checkpoint at update 16: what it had applied since is lost
+    assert 5 <= report.lost_updates <= 21 - 16 + 3, report
+    assert report.applied[0] == len(history) - report.lost_updates
+    assert report.applied[1] == len(history)
