@@ -4,6 +4,7 @@ cluster from the environment; the launcher stops every rank when one fails."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,31 +47,63 @@ def _alive(pid: int) -> bool:
 
 
 # -- the same step on 2 processes x 4 devices and on 1 process x 8 devices --------------------
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """What tests/mp/train.py writes as one process driving 8 devices."""
+    out = tmp_path_factory.mktemp("one") / "single.npz"
+    run = subprocess.run([sys.executable, str(MP / "train.py"), str(out)],
+                         env=_env(JAX_NUM_CPU_DEVICES="8"), cwd=out.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0 of 1: done" in run.stdout
+    return np.load(out)
+
+
+def _assert_same_training(a, b):
+    assert sorted(a.files) == sorted(b.files)
+    assert len(a.files) == 7  # three ways x two weights, and the loss history
+    for name in a.files:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not np.allclose(a["dp_w1"], a["megatron_w1"], atol=0)  # 4 steps against 3
+    assert a["history"].shape == (4,) and a["history"][-1] < a["history"][0]  # 2 epochs x 2
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path):
-    multi, single = tmp_path / "multi.npz", tmp_path / "single.npz"
+def test_two_processes_match_one_process(tmp_path, one_process):
+    out = tmp_path / "multi.npz"
     run = subprocess.run(
         [str(JAXPAR), "run", "-n", "2", "--devices-per-process", "4", "--log-dir",
-         str(tmp_path / "logs"), "--timeout", "240", str(MP / "train.py"), str(multi)],
+         str(tmp_path / "logs"), "--timeout", "240", str(MP / "train.py"), str(out)],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "rank 0 of 2: done" in run.stdout  # rank 0 streamed to the terminal
     assert "rank 1 of 2: done" in (tmp_path / "logs" / "worker_1.log").read_text()
     assert "rank 1" not in run.stdout  # ... and only rank 0
+    _assert_same_training(np.load(out), one_process)
 
-    one = subprocess.run([sys.executable, str(MP / "train.py"), str(single)],
-                         env=_env(JAX_NUM_CPU_DEVICES="8"), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "rank 0 of 1: done" in one.stdout
 
-    a, b = np.load(multi), np.load(single)
-    assert sorted(a.files) == sorted(b.files)
-    assert len(a.files) == 7  # three ways x two weights, and the loss history
-    for name in a.files:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
-        assert not np.allclose(a["dp_w1"], a["megatron_w1"], atol=0)  # 4 vs 3 steps
-    assert a["history"].shape == (4,) and a["history"][-1] < a["history"][0]  # 2 epochs x 2
+@pytest.mark.slow
+def test_two_hosts_match_one_process(tmp_path, one_process):
+    """The several-host command, with both "hosts" on this machine: two launchers, one
+    process each, joined through host 0's address."""
+    address = socket.gethostbyname(socket.gethostname())
+    if address == "127.0.0.1":  # the launcher refuses loopback for several hosts
+        address = "127.0.0.2"  # ... which is still this machine
+    port = str(launcher.free_port())
+    out = tmp_path / "hosts.npz"
+    nodes = [subprocess.Popen(
+        [str(JAXPAR), "run", "-n", "1", "--devices-per-process", "4", "--nnodes", "2",
+         "--node-rank", str(rank), "--master-addr", address, "--master-port", port,
+         "--log-dir", str(tmp_path / f"node{rank}"), "--timeout", "240", str(MP / "train.py"),
+         str(out)], env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "rank 0 of 2: done" in outputs[0][0]
+    assert "rank 1 of 2: done" in outputs[1][0]  # host 1's first rank is rank 1
+    assert (tmp_path / "node1" / "worker_1.log").exists()
+    _assert_same_training(np.load(out), one_process)
 
 
 @pytest.mark.slow
