@@ -203,10 +203,15 @@ def test_a_crashing_rank_is_named_at_once(tmp_path):
 
 
 def test_timeout_stops_everything(tmp_path):
-    proc = _start_sleepers(tmp_path, 2, "--timeout", "1")
-    out, err = proc.communicate(timeout=180)
+    proc = _start_sleepers(tmp_path, 2, "--timeout", "20")
+    try:
+        _wait_for_pids(tmp_path, 2, proc)  # the ranks and their children are up
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 124
-    assert "timed out after 1 s" in err
+    assert "timed out after 20 s" in err
     _assert_all_gone(tmp_path)
 
 
@@ -229,7 +234,9 @@ def test_killing_the_launcher_takes_its_ranks_along(tmp_path):
     pids: dict[int, list[int]] = {}
     try:
         pids = _wait_for_pids(tmp_path, 2, proc)
-        os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up: the kernel does it
+        # no chance to clean up: the kernel stops the ranks (PR_SET_PDEATHSIG); what a rank
+        # started itself is the rank's to stop, and the finally below does it here
+        os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
         end = time.monotonic() + 10
         while time.monotonic() < end and any(_alive(ps[0]) for ps in pids.values()):

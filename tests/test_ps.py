@@ -234,3 +234,31 @@ def test_async_server_restore_counts_lost_updates(tmp_path):
     assert 5 <= report.lost_updates <= 21 - 16 + 3, report
     assert report.applied[0] == len(history) - report.lost_updates
     assert report.applied[1] == len(history)
+
+
+def test_a_server_goes_back_past_its_newer_checkpoints_and_saves_them_again(tmp_path):
+    """A survivor may have saved a step the restored server had not reached; going back must
+    drop it, or saving that step again on the way forward fails."""
+    server = ps_server(tmp_path)
+    grads = {i: np.ones_like(v) for i, v in server.pull()[1].items()}
+    for step in range(7):
+        server.push_sync(step, 0, 1, 1.0, grads)
+    assert server.checkpoints() == [0, 3, 6]
+    before = server.pull()[1]
+    assert server.restore(3) == 3 and server.checkpoints() == [0, 3]
+    for step in range(3, 7):
+        server.push_sync(step, 0, 1, 1.0, grads)
+    assert server.checkpoints() == [0, 3, 6]
+    for i, v in server.pull()[1].items():
+        np.testing.assert_array_equal(v, before[i])
+    with pytest.raises(jaxpar.JaxparError, match="already holds checkpoints"):
+        ps_server(tmp_path)  # a new run in the same directory
+
+
+def ps_server(directory):
+    from jaxpar._src.ps.server import ServerCore
+
+    params = init_params()
+    leaves = jax.tree.leaves(params)
+    return ServerCore(0, dict(enumerate(leaves)), OPT, checkpoint_every=3,
+                      checkpoint_dir=str(directory))

@@ -77,7 +77,7 @@ def cluster_env(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
     local = None
     per = env.get("JAXPAR_DEVICES_PER_PROCESS")
     rank = env.get("JAXPAR_LOCAL_RANK")
-    if per and rank and env.get("JAX_PLATFORMS", "") not in ("cpu", ""):
+    if per and rank and env.get("JAX_PLATFORMS", "") != "cpu":  # GPUs: this rank's share
         local = tuple(range(int(rank) * int(per), (int(rank) + 1) * int(per)))
     return ClusterEnv(coordinator, num_processes, process_id, local, source)
 

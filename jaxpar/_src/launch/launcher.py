@@ -6,8 +6,10 @@ device count (``JAX_NUM_CPU_DEVICES`` on CPU).  Output goes to ``<log-dir>/worke
 the host's first rank is also streamed to the terminal.  When a rank fails, the launcher stops
 the others (SIGTERM to each process group, SIGKILL after a grace period), names the rank, its
 exit status and the tail of its log, and exits non-zero.  A timeout and Ctrl-C stop everything
-the same way; children also die with the launcher if it is killed outright (Linux
-``PR_SET_PDEATHSIG``), so nothing is left behind.
+the same way (each rank's whole process group), and so does a run that succeeds, for anything
+a rank left running.  If the launcher itself is killed outright, the ranks die with it (Linux
+``PR_SET_PDEATHSIG``); processes a rank started of its own die with the rank only if it sees
+to that.
 
 Several hosts: run the same command on each with ``--nnodes``, ``--node-rank`` and the first
 host's ``--master-addr``/``--master-port``.
@@ -145,11 +147,16 @@ class Launcher:
         """Rank 0's output to its log and to the terminal."""
         pipe = self.procs[0].stdout
         assert pipe is not None
+        terminal = True
         for line in iter(pipe.readline, b""):
             self._first_log.write(line)
             self._first_log.flush()
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()
+            if terminal:
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # the terminal went away (| head): log only
+                    terminal = False
         self._first_log.close()
 
     def run(self) -> int:
@@ -157,6 +164,7 @@ class Launcher:
         deadline = time.monotonic() + c.timeout if c.timeout else None
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         stop = {"signal": None}
+        failed_at: dict[int, float] = {}  # local rank -> when its failure was seen
 
         def on_signal(signum: int, frame: object) -> None:
             stop["signal"] = signum
@@ -164,7 +172,11 @@ class Launcher:
         for s in previous:
             signal.signal(s, on_signal)
         try:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self.stop_all()
+                raise
             while True:
                 if stop["signal"] is not None:
                     name = signal.Signals(stop["signal"]).name
@@ -172,11 +184,15 @@ class Launcher:
                     self.stop_all()
                     return 128 + stop["signal"]
                 codes = [p.poll() for p in self.procs]
-                failed = [i for i, rc in enumerate(codes) if rc not in (None, 0)]
-                if failed:
-                    return self._fail(failed[0], codes[failed[0]])
+                for i, rc in enumerate(codes):
+                    if rc not in (None, 0) and i not in failed_at:
+                        failed_at[i] = time.monotonic()
+                if failed_at:
+                    return self._fail(min(failed_at, key=lambda i: (failed_at[i], i)), codes)
                 if all(rc == 0 for rc in codes):
                     self._join_stream()
+                    for p in self.procs:  # what a rank started and left running
+                        _signal_group(p, signal.SIGKILL)
                     return 0
                 if deadline is not None and time.monotonic() > deadline:
                     running = [self.rank(i) for i, rc in enumerate(codes) if rc is None]
@@ -189,15 +205,21 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _fail(self, local: int, code: int) -> int:
+    def _fail(self, local: int, codes: list[int | None]) -> int:
+        """Stops the rest after ``local`` failed; if others had failed in the same poll they
+        are listed too (``local`` is the one seen first, the lowest rank on a tie)."""
+        code = codes[local]
+        assert code is not None
         others = [i for i, p in enumerate(self.procs) if i != local and p.poll() is None]
-        status = f"exit status {code}" if code > 0 else \
-            f"signal {signal.Signals(-code).name}"
+        also = [f"rank {self.rank(i)} ({_status(rc)})" for i, rc in enumerate(codes)
+                if i != local and rc not in (None, 0)]
         self.stop_all()
         self._join_stream()
         tail = _tail(self.logs[local])
-        self.say(f"rank {self.rank(local)} failed ({status}); stopped the other "
-                 f"{len(others)} running ranks. Last lines of {self.logs[local]}:\n{tail}")
+        also_text = f" Also failed: {', '.join(also)}." if also else ""
+        self.say(f"rank {self.rank(local)} failed ({_status(code)}); stopped the other "
+                 f"{len(others)} running ranks.{also_text} Last lines of "
+                 f"{self.logs[local]}:\n{tail}")
         return code if code > 0 else 128 - code
 
     def stop_all(self) -> None:
@@ -219,6 +241,10 @@ class Launcher:
     def _join_stream(self) -> None:
         if self._stream is not None:
             self._stream.join(timeout=GRACE_S)
+
+
+def _status(code: int) -> str:
+    return f"exit status {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -74,6 +74,10 @@ class ServerCore:
                     raise PSError(f"parameter server {index}: no checkpoint in {path} to "
                                   f"restore from.")
                 self.restore(latest)
+            elif self._manager.all_steps():
+                raise PSError(f"parameter server {index}: {path} already holds checkpoints "
+                              f"(steps {sorted(self._manager.all_steps())}) from another run; "
+                              f"give checkpoint_dir an empty directory.")
             elif self.checkpoint_every:
                 self._save()
 
@@ -157,9 +161,12 @@ class ServerCore:
         return sorted(self._manager.all_steps()) if self._manager is not None else []
 
     def restore(self, step: int) -> int:
-        """Back to checkpoint ``step``; pending parts are dropped."""
+        """Back to checkpoint ``step``; pending parts and newer checkpoints are dropped (the
+        steps after it will be saved again)."""
         import orbax.checkpoint as ocp
 
+        for newer in [s for s in self._manager.all_steps() if s > step]:
+            self._manager.delete(newer)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(self._state()), parts=ocp.args.JsonRestore()))
         state = restored["state"]

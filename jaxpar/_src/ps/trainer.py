@@ -141,7 +141,6 @@ class ParameterServerTrainer:
         self._dropped: list[int] = []
         self._server_restores = 0
         self._redone = 0
-        self._lost = 0
         self._done_parts: set[int] = set()  # async parts every server has applied
         self._next_part = 0
         self._generation = 0  # server replacements so far
@@ -203,14 +202,21 @@ class ParameterServerTrainer:
             self.workers.update(self._joining)
             self._joining.clear()
             for worker_id in sorted(self._leaving - busy):
-                self._ray.kill(self.workers.pop(worker_id))
                 self._leaving.discard(worker_id)
+                actor = self.workers.pop(worker_id, None)
+                if actor is not None:
+                    self._ray.kill(actor)
         if not self.workers:
             raise PSError("ParameterServerTrainer: no workers left; add_worker() first.")
 
-    def _replace(self, worker_id: int, error: Exception) -> int:
-        """The worker that takes over from a failed one (itself restarted, or another)."""
-        if self._alive(self.workers[worker_id]):
+    def _replace(self, worker_id: int, actor: Any, error: Exception) -> int:
+        """The worker that takes over from a failed task of ``actor`` (worker ``worker_id``):
+        the worker restarted, or another one."""
+        if self.workers.get(worker_id) is not actor:  # already replaced or dropped
+            if not self.workers:
+                raise PSError("ParameterServerTrainer: no worker is left.") from error
+            return worker_id if worker_id in self.workers else min(self.workers)
+        if self._alive(actor):
             raise error  # the worker is fine: the task itself failed (the loss, the data)
         if self.config.on_worker_failure == "restart" and \
                 self._restarts[worker_id] < self.config.max_worker_restarts:
@@ -218,6 +224,8 @@ class ParameterServerTrainer:
             self.workers[worker_id] = self._new_worker(worker_id)
             return worker_id
         del self.workers[worker_id]
+        with self._lock:
+            self._leaving.discard(worker_id)
         self._dropped.append(worker_id)
         if not self.workers:
             raise PSError(f"ParameterServerTrainer: worker {worker_id} died and no worker is "
@@ -280,16 +288,17 @@ class ParameterServerTrainer:
         ids = tuple(sorted(self.workers))
         parts = self._split(batch, len(ids))
 
-        def submit(worker_id: int, part: int) -> Any:
+        def submit(worker_id: int, part: int) -> tuple[Any, tuple[int, int, Any]]:
             weight, data = parts[part]
-            return self.workers[worker_id].sync_step.remote(
-                self.servers, step, part, len(parts), weight, data)
+            actor = self.workers[worker_id]
+            ref = actor.sync_step.remote(self.servers, step, part, len(parts), weight, data)
+            return ref, (part, worker_id, actor)
 
-        tasks = {submit(w, part): (part, w) for part, w in enumerate(ids)}
+        tasks = dict(submit(w, part) for part, w in enumerate(ids))
         losses: dict[int, float] = {}
         while tasks:
             (ref,), _ = self._ray.wait(list(tasks), num_returns=1)
-            part, worker_id = tasks.pop(ref)
+            part, worker_id, actor = tasks.pop(ref)
             try:
                 losses[part] = self._ray.get(ref)
             except self._ray.exceptions.RayError as error:
@@ -297,18 +306,18 @@ class ParameterServerTrainer:
                 if dead:
                     self._ray.wait(list(tasks), num_returns=len(tasks), timeout=DRAIN_S)
                     raise _ServersLost(dead) from error
-                worker_id = self._replace(worker_id, error)
-                tasks[submit(worker_id, part)] = (part, worker_id)
+                ref, task = submit(self._replace(worker_id, actor, error), part)
+                tasks[ref] = task
         return float(sum(parts[p][0] * losses[p] for p in losses)), ids
 
     def _train_async(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
         queue: collections.deque[tuple[int, float, tuple[np.ndarray, ...]]] = \
             collections.deque()
         next_batch = 0
-        in_flight: dict[Any, tuple[int, tuple[int, float, tuple[np.ndarray, ...]], int]] = {}
+        in_flight: dict[Any, tuple[int, tuple[int, float, tuple[np.ndarray, ...]], int, Any]] = {}
         index = len(self.history)
         while True:
-            busy = {w for w, _, _ in in_flight.values()}
+            busy = {w for w, _, _, _ in in_flight.values()}
             self._apply_membership(busy)
             for worker_id in sorted(set(self.workers) - busy - self._leaving):
                 if not queue and next_batch < steps:
@@ -319,12 +328,13 @@ class ParameterServerTrainer:
                 if not queue:
                     break
                 part = queue.popleft()
-                ref = self.workers[worker_id].async_step.remote(self.servers, *part)
-                in_flight[ref] = (worker_id, part, self._generation)
+                actor = self.workers[worker_id]
+                ref = actor.async_step.remote(self.servers, *part)
+                in_flight[ref] = (worker_id, part, self._generation, actor)
             if not in_flight:
                 return
             (ref,), _ = self._ray.wait(list(in_flight), num_returns=1)
-            worker_id, part, generation = in_flight.pop(ref)
+            worker_id, part, generation, actor = in_flight.pop(ref)
             try:
                 loss = self._ray.get(ref)
             except self._ray.exceptions.RayError as error:
@@ -334,8 +344,8 @@ class ParameterServerTrainer:
                 dead = self._dead_servers()
                 if dead:
                     self._recover(dead, rollback=False)
-                elif worker_id in self.workers:
-                    self._replace(worker_id, error)
+                else:
+                    self._replace(worker_id, actor, error)
                 continue
             self._done_parts.add(part[0])
             info = StepInfo(index, loss, (worker_id,), len(part[2][0]))
@@ -352,14 +362,12 @@ class ParameterServerTrainer:
                           f"nothing was checkpointed; set checkpoint_every and checkpoint_dir "
                           f"to survive that.")
         for i in dead:
+            self._ray.kill(self.servers[i])  # it may only be slow: never two writers
             self.servers[i] = self._new_server(i, restore=True)
         self._server_restores += len(dead)
         self._generation += 1
         ray = self._ray
         if not rollback:
-            for i in dead:
-                self._lost += len(self._done_parts - set(ray.get(
-                    self.servers[i].applied_parts.remote())))
             return min(ray.get(self.servers[i].stats.remote())["step"] for i in dead)
         common = set.intersection(*(set(ray.get(s.checkpoints.remote()))
                                     for s in self.servers))
@@ -387,7 +395,8 @@ class ParameterServerTrainer:
             stale_rejections=sum(s["rejected"] for s in stats),
             worker_restarts=sum(self._restarts.values()), workers_dropped=tuple(self._dropped),
             server_restores=self._server_restores, redone_steps=self._redone,
-            lost_updates=self._lost)
+            lost_updates=sum(len(self._done_parts - set(parts)) for parts in
+                             self._ray.get([s.applied_parts.remote() for s in self.servers])))
 
     def shutdown(self) -> None:
         """Stops every actor (Ray itself stays up)."""
