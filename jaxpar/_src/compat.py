@@ -101,3 +101,15 @@ def varying_axes(x: Any) -> frozenset[str]:
         return frozenset(aval.vma)
     kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
     return frozenset(getattr(kind, "varying", ()) or ())
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's parameters.
+
+    JAX 0.10 stores the counts; JAX 0.11 stores flat trees of the inputs (``ft_in``: consts,
+    carry, xs), whose lengths are the counts.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

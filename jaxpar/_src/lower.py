@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar._src.compat import bind_equation
+from jaxpar._src.compat import bind_equation, scan_counts
 from jaxpar._src.graph import Const, Node, OpGraph
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import Spec
@@ -163,7 +163,7 @@ class _Evaluator:
         self._exits(node, env, list(carry) + list(ys))
 
     def _ys_exits(self, node: Node) -> list[int]:
-        nk = node.eqn.params["num_carry"]
+        _, nk = scan_counts(node.eqn.params)
         exits = {self.graph.nodes[e].params["index"]: e for e in node.params.get("exits", ())}
         n_out = len(node.eqn.outvars)
         # every stacked output must be produced, even if dead outside (keep positions aligned)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
-from jaxpar._src.compat import source_location
+from jaxpar._src.compat import scan_counts, source_location
 from jaxpar._src.graph import Const, Node, Operand, OpGraph, Value, build_consumers
 
 # Call-like primitives whose body is inlined, and where their body lives in ``eqn.params``.
@@ -199,7 +199,7 @@ class _Builder:
               region: int | None) -> None:
         p = eqn.params
         body = p["jaxpr"]
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(p)
         cid = self._control(eqn, ins, seq, weight, region)
         src = self.nodes[cid]["source"]
         inner_w = weight * max(int(p["length"]), 1)

@@ -36,7 +36,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar._src.compat import bind_equation
+from jaxpar._src.compat import bind_equation, scan_counts
 from jaxpar._src.errors import ContextError
 
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -173,7 +173,7 @@ def _scan(eqn: Any, ins: list[Any], policy: Policy) -> list[Any]:
     """``lax.scan`` rebuilt around the transformed body; carries keep their dtypes."""
     p = eqn.params
     body = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = scan_counts(p)
     consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
     carry_avals = [v.aval for v in eqn.invars[n_consts:n_consts + n_carry]]
     carry = [_cast(c, a.dtype) for c, a in zip(carry, carry_avals, strict=True)]

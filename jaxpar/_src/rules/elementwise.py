@@ -17,7 +17,7 @@ UNARY = (
     "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "not", "imag", "real", "conj", "erf", "erfc",
     "erf_inv", "lgamma", "digamma", "bessel_i0e", "bessel_i1e", "integer_pow", "square",
     "convert_element_type", "reduce_precision", "copy", "copy_p", "population_count", "clz",
-    "reshard", "mesh_cast", "stop_gradient",
+    "reshard", "mesh_cast", "stop_gradient", "one_minus_square",  # JAX 0.11: tanh's derivative
 )
 BINARY = (
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "and",
