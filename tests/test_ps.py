@@ -113,6 +113,28 @@ def test_sync_equals_data_parallel():
     assert ps.assign_by_size([64 * 32 * 4, 32 * 4, 32 * 10 * 4, 10 * 4], 2) == (0, 1, 1, 1)
 
 
+def read_part(step, part, num_parts):
+    """Runs on the workers: their part of batch ``step``, read where they are."""
+    x, y = digits()
+    xb, yb = batches(x, y, step + 1, seed=5)[step]
+    rows = ps.part_slice(BATCH, part, num_parts)
+    return xb[rows], yb[rows]
+
+
+def test_workers_reading_their_own_parts_equal_data_parallel():
+    x, y = digits()
+    data = batches(x, y, 5, seed=5)
+    expected, _ = data_parallel(init_params(), data)
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2,
+                                   worker_num=3) as trainer:
+        history = trainer.train(ps.read_on_workers(read_part, BATCH), steps=5)
+        got = trainer.params
+    assert_same_params(got, expected)
+    assert [h.samples for h in history] == [BATCH] * 5
+    with pytest.raises(jaxpar.JaxparError, match="give steps="):
+        trainer.train(ps.read_on_workers(read_part, BATCH))
+
+
 def test_elastic_workers_and_worker_faults_keep_data_parallel_numbers():
     x, y = digits()
     data = batches(x, y, 9, seed=1)

@@ -15,6 +15,9 @@ worker actors that compute gradients with JAX.  ``ray.init()`` is called if Ray 
   server refuses gradients computed on parameters more than that many of its updates old, and
   the worker recomputes.  Servers ignore a part they have already applied.
 
+The scheduler ships each worker its part of the batch, or the
+workers read their parts themselves (``jaxpar.ps.read_on_workers``).
+
 Elastic: :meth:`~ParameterServerTrainer.add_worker` and
 :meth:`~ParameterServerTrainer.remove_worker` (any time, from any thread) take effect at the
 next step (sync) or the next hand-out (async).  Faults: a dead worker is restarted (or dropped,
@@ -42,6 +45,7 @@ from jaxpar._src.errors import PSError
 from jaxpar._src.launch.launcher import without_device_count
 from jaxpar._src.ps.context import ROLE_ENV, ps_config
 from jaxpar._src.ps.partition import assign_by_size
+from jaxpar._src.ps.reader import ReadPart, WorkerReader, part_slice
 from jaxpar._src.ps.server import ServerCore
 from jaxpar._src.ps.worker import WorkerCore
 
@@ -233,16 +237,24 @@ class ParameterServerTrainer:
         return min(self.workers)
 
     # -- training ----------------------------------------------------------------------------
-    def train(self, batches: Sequence[Batch] | Callable[[int], Batch], steps: int | None = None,
+    def train(self, batches: Sequence[Batch] | Callable[[int], Batch] | WorkerReader,
+              steps: int | None = None,
               callbacks: Sequence[Callable[[ParameterServerTrainer, StepInfo], None]] = ()
               ) -> list[StepInfo]:
-        """Runs ``steps`` steps (default ``len(batches)``) on global batches (a sequence, or a
-        function of the step index within this call); returns the history of this call."""
+        """Runs ``steps`` steps (default ``len(batches)``) on global batches: a sequence, a
+        function of the step index within this call, or :func:`read_on_workers` (the workers
+        read their parts themselves).  Returns the history of this call."""
         if steps is None:
-            if callable(batches):
-                raise PSError("train: give steps= when batches is a function.")
+            if callable(batches) or isinstance(batches, WorkerReader):
+                raise PSError("train: give steps= when the batches come from a function.")
             steps = len(batches)
-        get = batches if callable(batches) else batches.__getitem__
+        if isinstance(batches, WorkerReader):
+            reader = batches
+
+            def get(i: int) -> WorkerReader:
+                return reader
+        else:
+            get = batches if callable(batches) else batches.__getitem__
         start = len(self.history)
         if self.config.mode == "sync":
             self._train_sync(get, steps, callbacks)
@@ -258,9 +270,10 @@ class ParameterServerTrainer:
         i = 0
         while i < steps:
             self._apply_membership(busy=set())
-            batch = get(i)
+            ids = tuple(sorted(self.workers))
+            parts = self._split(get(i), i, len(ids))
             try:
-                loss, ids = self._sync_step(base + i, batch)
+                loss = self._sync_step(base + i, ids, parts)
             except _ServersLost as lost:
                 back = self._recover(lost.dead, rollback=True)
                 if back < base:
@@ -270,26 +283,32 @@ class ParameterServerTrainer:
                 self._redone += base + i - back
                 i = back - base
                 continue
-            info = StepInfo(base + i, loss, ids, len(batch[0]))
+            info = StepInfo(base + i, loss, ids, sum(size for _, _, size in parts))
             self.history.append(info)
             for callback in callbacks:
                 callback(self, info)
             i += 1
 
-    def _split(self, batch: Batch, n: int) -> list[tuple[float, tuple[np.ndarray, ...]]]:
-        size = len(batch[0])
+    def _split(self, batch: Batch | WorkerReader, i: int, n: int
+               ) -> list[tuple[float, Any, int]]:
+        """Batch ``i`` cut into ``n`` parts: ``(weight, data or ReadPart, samples)`` each."""
+        reading = isinstance(batch, WorkerReader)
+        size = batch.batch_size if reading else len(batch[0])
         if size < n:
             raise PSError(f"ParameterServerTrainer: a batch of {size} samples cannot be split "
                           f"across {n} workers.")
-        parts = np.array_split(np.arange(size), n)
-        return [(len(p) / size, tuple(np.asarray(col)[p] for col in batch)) for p in parts]
+        out = []
+        for p in range(n):
+            cut = part_slice(size, p, n)
+            rows = cut.stop - cut.start
+            data = ReadPart(batch.fn, i, p, n) if reading else \
+                tuple(np.asarray(column)[cut] for column in batch)
+            out.append((rows / size, data, rows))
+        return out
 
-    def _sync_step(self, step: int, batch: Batch) -> tuple[float, tuple[int, ...]]:
-        ids = tuple(sorted(self.workers))
-        parts = self._split(batch, len(ids))
-
+    def _sync_step(self, step: int, ids: tuple[int, ...], parts: list) -> float:
         def submit(worker_id: int, part: int) -> tuple[Any, tuple[int, int, Any]]:
-            weight, data = parts[part]
+            weight, data, _ = parts[part]
             actor = self.workers[worker_id]
             ref = actor.sync_step.remote(self.servers, step, part, len(parts), weight, data)
             return ref, (part, worker_id, actor)
@@ -308,28 +327,28 @@ class ParameterServerTrainer:
                     raise _ServersLost(dead) from error
                 ref, task = submit(self._replace(worker_id, actor, error), part)
                 tasks[ref] = task
-        return float(sum(parts[p][0] * losses[p] for p in losses)), ids
+        return float(sum(parts[p][0] * losses[p] for p in losses))
 
     def _train_async(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
-        queue: collections.deque[tuple[int, float, tuple[np.ndarray, ...]]] = \
-            collections.deque()
+        queue: collections.deque[tuple[int, float, Any, int]] = collections.deque()
         next_batch = 0
-        in_flight: dict[Any, tuple[int, tuple[int, float, tuple[np.ndarray, ...]], int, Any]] = {}
+        in_flight: dict[Any, tuple[int, tuple[int, float, Any, int], int, Any]] = {}
         index = len(self.history)
         while True:
             busy = {w for w, _, _, _ in in_flight.values()}
             self._apply_membership(busy)
             for worker_id in sorted(set(self.workers) - busy - self._leaving):
                 if not queue and next_batch < steps:
-                    for weight, data in self._split(get(next_batch), len(self.workers)):
-                        queue.append((self._next_part, weight, data))
+                    for weight, data, size in self._split(get(next_batch), next_batch,
+                                                          len(self.workers)):
+                        queue.append((self._next_part, weight, data, size))
                         self._next_part += 1
                     next_batch += 1
                 if not queue:
                     break
                 part = queue.popleft()
                 actor = self.workers[worker_id]
-                ref = actor.async_step.remote(self.servers, *part)
+                ref = actor.async_step.remote(self.servers, *part[:3])
                 in_flight[ref] = (worker_id, part, self._generation, actor)
             if not in_flight:
                 return
@@ -348,7 +367,7 @@ class ParameterServerTrainer:
                     self._replace(worker_id, actor, error)
                 continue
             self._done_parts.add(part[0])
-            info = StepInfo(index, loss, (worker_id,), len(part[2][0]))
+            info = StepInfo(index, loss, (worker_id,), part[3])
             index += 1
             self.history.append(info)
             for callback in callbacks:

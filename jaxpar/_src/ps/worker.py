@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar._src.ps.reader import resolve
+
 STALE_RETRIES = 20
 
 
@@ -53,6 +55,7 @@ class WorkerCore:
         """One part of synchronous step ``step``; returns its loss."""
         import ray
 
+        batch = resolve(batch)
         _, params = self._pull(servers, step)
         loss, shards = self._grads(params, batch)
         for i, server in enumerate(servers):
@@ -67,6 +70,7 @@ class WorkerCore:
         computed on fresher parameters."""
         import ray
 
+        batch = resolve(batch)
         todo = list(range(len(servers)))
         for _ in range(STALE_RETRIES):
             versions, params = self._pull(servers, None)
