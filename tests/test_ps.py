@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import ray
 
 import jaxpar
 from jaxpar import ps
 
-ray = pytest.importorskip("ray")
 # ray.init starts its processes with fork+exec, which JAX's warning about fork cannot tell apart
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 
