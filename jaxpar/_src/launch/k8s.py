@@ -60,13 +60,10 @@ def jaxjob(name: str, image: str, command: Sequence[str], *, workers: int,
     resources = _resources(cpu, memory, gpu)
     if resources:
         container["resources"] = resources
-    metadata: dict[str, Any] = {"name": name}
-    if namespace:
-        metadata["namespace"] = namespace
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "JAXJob",
-        "metadata": metadata,
+        "metadata": _metadata(name, namespace),
         "spec": {
             "runPolicy": {"cleanPodPolicy": clean_pod_policy, "backoffLimit": backoff_limit},
             "jaxReplicaSpecs": {"Worker": {
@@ -89,11 +86,13 @@ def trainjob(name: str, image: str, command: Sequence[str], *, workers: int,
     resources = _resources(cpu, memory, gpu)
     if resources:
         trainer["resourcesPerNode"] = resources
-    metadata: dict[str, Any] = {"name": name}
-    if namespace:
-        metadata["namespace"] = namespace
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": metadata, "spec": {"runtimeRef": {"name": runtime}, "trainer": trainer}}
+            "metadata": _metadata(name, namespace),
+            "spec": {"runtimeRef": {"name": runtime}, "trainer": trainer}}
+
+
+def _metadata(name: str, namespace: str | None) -> dict[str, str]:
+    return {"name": name, **({"namespace": namespace} if namespace else {})}
 
 
 def _env(extra: Sequence[tuple[str, str]], devices: int | None, gpu: int | None

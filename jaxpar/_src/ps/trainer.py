@@ -174,15 +174,26 @@ class ParameterServerTrainer:
         return self._worker_cls.options(**self._options("MS_WORKER")).remote(
             worker_id, self._loss_fn, self._treedef, self._owner)
 
+    def _dead(self, actors: Sequence[Any]) -> list[int]:
+        """Indices of the actors that do not answer a ping within ``PING_S`` (all pinged at
+        once)."""
+        refs = [actor.ping.remote() for actor in actors]
+        answered, _ = self._ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                if ref not in answered:
+                    raise TimeoutError
+                self._ray.get(ref)
+            except (self._ray.exceptions.RayError, TimeoutError):
+                dead.append(i)
+        return dead
+
     def _alive(self, actor: Any) -> bool:
-        try:
-            self._ray.get(actor.ping.remote(), timeout=PING_S)
-            return True
-        except (self._ray.exceptions.RayError, self._ray.exceptions.GetTimeoutError):
-            return False
+        return not self._dead([actor])
 
     def _dead_servers(self) -> list[int]:
-        return [i for i, s in enumerate(self.servers) if not self._alive(s)]
+        return self._dead(self.servers)
 
     # -- membership --------------------------------------------------------------------------
     def add_worker(self) -> int:
