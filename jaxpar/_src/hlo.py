@@ -32,6 +32,8 @@ _CALLS_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|"
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _NUM_PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
+_KIND_HINT = re.compile("|".join(KINDS))
+_CALL_HINTS = ("calls=", "to_apply=", "body=", "condition=", "_computation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,23 +169,34 @@ def _multiplicities(comps: dict[str, list[str]], entry: str | None) -> dict[str,
     if entry is None:  # no ENTRY marker: count every computation once
         return {c: 1 for c in comps}
     mult: dict[str, int] = {}
+    calls: dict[str, list[tuple[str, int]]] = {}  # computation -> (callee, trips) per call
 
-    def visit(comp: str, times: int, depth: int = 0) -> None:
-        if comp not in comps or depth > 64:
-            return
-        mult[comp] = mult.get(comp, 0) + times
+    def callees(comp: str) -> list[tuple[str, int]]:
+        # Read each computation's calls once: fusions are called from many places.
+        if comp in calls:
+            return calls[comp]
+        out = calls[comp] = []
         for line in comps[comp]:
             trip = 1
             if " while(" in line:
                 t = _TRIP_RE.search(line)
                 trip = int(t.group(1)) if t else 1
+            if not any(h in line for h in _CALL_HINTS):
+                continue
             for callee in _CALLS_RE.findall(line):
                 is_body = f"body=%{callee}" in line or f"body={callee}" in line
-                visit(callee, times * (trip if is_body else 1), depth + 1)
+                out.append((callee, trip if is_body else 1))
             b = _BRANCHES_RE.search(line)
             if b:
-                for callee in re.findall(r"%?([\w.\-]+)", b.group(1)):
-                    visit(callee, times, depth + 1)
+                out.extend((callee, 1) for callee in re.findall(r"%?([\w.\-]+)", b.group(1)))
+        return out
+
+    def visit(comp: str, times: int, depth: int = 0) -> None:
+        if comp not in comps or depth > 64:
+            return
+        mult[comp] = mult.get(comp, 0) + times
+        for callee, trips in callees(comp):
+            visit(callee, times * trips, depth + 1)
 
     visit(entry, 1)
     return mult
@@ -191,6 +204,8 @@ def _multiplicities(comps: dict[str, list[str]], entry: str | None) -> dict[str,
 
 def _parse_line(line: str, comp: str, times: int, num_devices: int | None
                 ) -> CollectiveRecord | None:
+    if not _KIND_HINT.search(line):  # the full pattern is slow on long lines
+        return None
     m = _OP_RE.search(line)
     if m is None:
         return None
