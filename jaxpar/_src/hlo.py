@@ -32,8 +32,6 @@ _CALLS_RE = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|"
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _NUM_PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
-_KIND_HINT = re.compile("|".join(KINDS))
-_CALL_HINTS = ("calls=", "to_apply=", "body=", "condition=", "_computation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +147,8 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     entry = None
     current = None
     for line in text.splitlines():
-        header = _HEADER_RE.match(line)
+        # instructions are indented; only the rest can open a computation
+        header = None if line[:1] in (" ", "\t") else _HEADER_RE.match(line)
         if header and "=" not in line.split("(")[0]:
             current = header.group("name")
             comps[current] = []
@@ -181,7 +180,8 @@ def _multiplicities(comps: dict[str, list[str]], entry: str | None) -> dict[str,
             if " while(" in line:
                 t = _TRIP_RE.search(line)
                 trip = int(t.group(1)) if t else 1
-            if not any(h in line for h in _CALL_HINTS):
+            if not ("calls=" in line or "to_apply=" in line or "body=" in line
+                    or "condition=" in line or "_computation" in line):
                 continue
             for callee in _CALLS_RE.findall(line):
                 is_body = f"body=%{callee}" in line or f"body={callee}" in line
@@ -204,8 +204,8 @@ def _multiplicities(comps: dict[str, list[str]], entry: str | None) -> dict[str,
 
 def _parse_line(line: str, comp: str, times: int, num_devices: int | None
                 ) -> CollectiveRecord | None:
-    if not _KIND_HINT.search(line):  # the full pattern is slow on long lines
-        return None
+    if not ("all-" in line or "collective-" in line or "reduce-scatter" in line):
+        return None  # cheap test first: the full pattern is slow on long lines
     m = _OP_RE.search(line)
     if m is None:
         return None
