@@ -75,11 +75,14 @@ def node_contexts(plan: ShardingPlan, graph: Any = None, hlo: HloIndex | None = 
                   ) -> tuple[NodeContext, ...]:
     """A :class:`NodeContext` per plan node, from the best source at hand."""
     graph = graph if graph is not None else graph_of(plan)
+    near: dict[int, int] = {}
     if graph is not None:
         frames = {n.id: source_frames(n.eqn) for n in graph.nodes if n.eqn is not None}
         backward = {n.id for n in graph.nodes
                     if n.eqn is not None and "transpose(" in name_stack(n.eqn)}
-        layers = _layers(plan, _edges(graph))
+        adj = _edges(graph)
+        layers = _layers(plan, adj)
+        near = _nearest_located(frames, adj)
     else:
         frames, backward = {}, set()
         if hlo is not None:
@@ -92,9 +95,31 @@ def node_contexts(plan: ShardingPlan, graph: Any = None, hlo: HloIndex | None = 
     out = []
     for d in plan.decisions:
         f = frames.get(d.node, ())
+        location = _location(f)
+        if not location and d.node in near:  # JAX's own code (a transpose): say where it is
+            f = frames[near[d.node]]
+            location = f"near {_location(f)}"
         out.append(NodeContext(layers.get(d.node, ""), module_path(f) or _fallback_module(d),
-                               _location(f) or d.source, d.node in backward))
+                               location or d.source, d.node in backward))
     return tuple(out)
+
+
+def _nearest_located(frames: Mapping[int, tuple], adj: Mapping[int, list[int]],
+                     hops: int = 4) -> dict[int, int]:
+    """For operators without a user frame, the nearest node (within ``hops`` edges) with one."""
+    out = {}
+    for n, f in frames.items():
+        if f:
+            continue
+        seen, layer = {n}, [n]
+        for _ in range(hops):
+            layer = [m for x in layer for m in adj.get(x, ()) if m not in seen]
+            seen.update(layer)
+            hit = next((m for m in sorted(layer) if frames.get(m)), None)
+            if hit is not None:
+                out[n] = hit
+                break
+    return out
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -94,7 +94,7 @@ def explorer_html(uid: str, data: str) -> str:
         f'<noscript>The operator graph needs JavaScript; every other section of this report is '
         f'plain HTML.</noscript><div class="jxr-tree"></div>'
         f'<script type="application/json" class="jxr-data">{data}</script>'
-        f"<script>{_SCRIPT.replace('__UID__', uid)}</script>")
+        f"<script>{_SCRIPT.replace('__UID__', uid).replace('__OUTSIDE__', OUTSIDE)}</script>")
 
 
 def runner_up_rows(plan: ShardingPlan, contexts: Sequence[NodeContext], limit: int = 60
@@ -120,7 +120,8 @@ def runner_up_rows(plan: ShardingPlan, contexts: Sequence[NodeContext], limit: i
 
 _SCRIPT = r"""(function(){
 var root=document.getElementById('__UID__');if(!root)return;
-var D=JSON.parse(root.querySelector('script.jxr-data').textContent),S=D.s,N=D.n;
+var D=JSON.parse(root.querySelector('script.jxr-data').textContent),S=D.s,N=D.n,
+OUT='__OUTSIDE__';
 var box=root.querySelector('.jxr-tree'),mode=root.querySelector('select.jxr-mode'),
 filt=root.querySelector('select.jxr-filter'),q=root.querySelector('input.jxr-q'),
 cnt=root.querySelector('.jxr-count');
@@ -154,7 +155,9 @@ function fmt(b){var u=['B','KiB','MiB','GiB'],k=0;while(b>=1024&&k<3){b/=1024;k+
 var groups=[];
 function group(ns,key){var m={},order=[];ns.forEach(function(n){var k=S[key(n)]||'(unknown)';
  if(!(k in m)){m[k]=[];order.push(k);}m[k].push(n);});
- return order.map(function(k){return {name:k,nodes:m[k],kids:[]};});}
+ var last=order.filter(function(k){return k===OUT;});
+ return order.filter(function(k){return k!==OUT;}).concat(last).map(function(k){
+ return {name:k,nodes:m[k],kids:[]};});}
 function tree(ns){var top={kids:[],map:{},nodes:[]};ns.forEach(function(n){var p=S[n[5]]?
  S[n[5]].split(' › '):['(no module)'],t=top;p.forEach(function(part){if(!(part in t.map)){
  var c={name:part,kids:[],map:{},nodes:[],all:[]};t.map[part]=c;t.kids.push(c);}t=t.map[part];

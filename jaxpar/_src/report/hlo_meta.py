@@ -131,10 +131,10 @@ class HloIndex:
         return tuple(re.findall(r"%([\w.\-]+)", rest[start:end - 1]))
 
     def tags(self, name: str, depth: int = 2) -> tuple[int, ...]:
-        """Plan nodes behind instruction ``name``: its own ``jaxpar#`` tags, else its operands'
-        (up to ``depth`` instructions back through untagged ones)."""
+        """Plan nodes behind instruction ``name``: its own ``jaxpar#`` tags; when a pass left it
+        without any op name, its operands' (up to ``depth`` instructions back)."""
         meta = self.metadata(name)
-        if meta is not None and meta.tags:
+        if meta is not None and meta.op_name:
             return meta.tags
         if depth <= 0:
             return ()
