@@ -2,8 +2,9 @@
 and screenshots.
 
 Chromium comes from the system packages (Debian: ``apt-get install -y chromium``; ``make test``
-installs it when missing).  Under CI (``CI`` set) a missing browser fails the tests that need
-it; elsewhere they are skipped with that instruction.
+installs it when missing).  Under CI (``CI`` set) and under ``make test``
+(``JAXPAR_REQUIRE_BROWSER=1``) a missing browser fails the tests that need it; elsewhere they
+are skipped with that instruction.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def chromium() -> str:
             return path
     message = ("Chromium is not installed: apt-get install -y chromium (make test installs it "
                "when missing)")
-    if os.environ.get("CI"):
+    if os.environ.get("CI") or os.environ.get("JAXPAR_REQUIRE_BROWSER"):
         pytest.fail(message)
     pytest.skip(message)
     raise AssertionError  # unreachable
