@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from jaxpar._src.plan import OpDecision, ShardingPlan, _bytes, _seconds
 from jaxpar._src.report.svg import esc
 
+TEXT_ROWS = 12  # operator changes listed in the text form
+HTML_ROWS = 300  # and in the report
 
 @dataclasses.dataclass(frozen=True)
 class LayoutChange:
@@ -74,7 +76,10 @@ class PlanDiff:
             lines.append(f"operators: {self.changed_operators} of {self.nodes} nodes changed "
                          f"layout (matched by {self.aligned_by})")
             lines += [f"  {c.name} {c.source}{f' x{c.count}' if c.count > 1 else ''}: "
-                      f"{c.before}  =>  {c.after}" for c in self.operators]
+                      f"{c.before}  =>  {c.after}" for c in self.operators[:TEXT_ROWS]]
+            if len(self.operators) > TEXT_ROWS:
+                lines.append(f"  ... and {len(self.operators) - TEXT_ROWS} more kinds of change "
+                             f"(all of them: .operators, or the report)")
         if any(self.unmatched):
             lines.append(f"unmatched nodes: {self.unmatched[0]} only in a, "
                          f"{self.unmatched[1]} only in b")
@@ -111,7 +116,7 @@ class PlanDiff:
                          f"<th>b: runs (wire)</th></tr>{rows}</table>")
         changes = [("argument", c) for c in self.arguments]
         changes += [("result", c) for c in self.results]
-        changes += [("operator", c) for c in self.operators]
+        changes += [("operator", c) for c in self.operators[:HTML_ROWS]]
         if changes:
             rows = "".join(f"<tr><td>{esc(what)}</td><td>{esc(c.name)}</td><td><code>"
                            f"{esc(c.source)}</code></td><td class=num>{c.count}</td><td><code>"
