@@ -300,3 +300,22 @@ def test_args_spec_pytrees():
     assert tree["w1"].shape == (8, 16) and tree["b"].shape == () and tree["b"].dtype == np.int32
     assert items[0].dtype == np.uint8 and items[1][0].dtype == np.float64
 
+
+
+def test_report_of_a_scanned_layer_stack_names_operators_inside_the_loop():
+    from tests import models
+
+    params, x = models.init_stack(jax.random.key(0), layers=4, batch=16, d=32)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    step = jaxpar.parallelize(jax.grad(models.scan_stack_loss), mesh=mesh,
+                              parallel_mode="semi_auto_parallel",
+                              in_strategy=({"w": P(None, None, "mp"), "b": P(None, "mp")},
+                                           P("dp")))
+    report = step.report(params, x)
+    found = report.analysis.collectives
+    assert found and all(c.causes for c in found)
+    plan = step.plan(params, x)
+    body = {n for n in range(len(plan.decisions)) if plan.decisions[n].weight == 4}
+    looped = [c for c in found if c.record.count == 4]  # runs once per layer
+    assert looped and all({x.node for x in c.causes} <= body for c in looped)
+    assert "Operator graph" in report.html

@@ -66,9 +66,7 @@ def build_report(plan: ShardingPlan, *, compiled: Any = None, graph: Any = None,
     index = HloIndex(text) if text is not None else None
     analysis = analyse(plan, text, index) if text is not None else None
     contexts = node_contexts(plan, graph, index)
-    counts = figures.layout_counts(plan)
-    colors = figures.layout_colors(counts)
-    order = {spec: k for k, spec in enumerate(colors)}
+    layouts = figures.layout_table(plan)
     totals = plan.summary()
     uid = f"jxr{os.getpid():x}{next(_ids)}"
     title = title or f"jaxpar plan: {plan.parallel_mode} on mesh {plan.mesh}"
@@ -86,8 +84,8 @@ def build_report(plan: ShardingPlan, *, compiled: Any = None, graph: Any = None,
         "collectives": page.collectives(analysis, contexts),
         "compare": page.compare(plan, analysis, memory, flops),
         "timeline": page.timeline(plan, contexts, totals["step_time_s"]),
-        "layouts": page.layouts(plan, colors, order, counts),
-        "graph": explorer.explorer_html(uid, explorer.explorer_data(plan, contexts, order)),
+        "layouts": page.layouts(plan, layouts),
+        "graph": explorer.explorer_html(uid, explorer.explorer_data(plan, contexts, layouts)),
     }
     if searched:
         bodies["search"] = page.runner_ups(explorer.runner_up_rows(plan, contexts))

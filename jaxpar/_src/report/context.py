@@ -166,13 +166,14 @@ def _has_layers(plan: ShardingPlan) -> bool:
 
 def _edges(graph: Any) -> dict[int, list[int]]:
     """Undirected adjacency of the graph's nodes."""
-    adj: dict[int, list[int]] = collections.defaultdict(list)
-    values = graph.values
+    producer = [v.producer for v in graph.values]
+    adj: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
     for node in graph.nodes:
+        mine = adj[node.id]
         for operand in node.inputs:
-            if isinstance(operand, int):
-                p = values[operand].producer
-                adj[node.id].append(p)
+            if type(operand) is int:  # a value (literals are Const)
+                p = producer[operand]
+                mine.append(p)
                 adj[p].append(node.id)
     return adj
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from jaxpar._src.plan import HEAVY, USER_ORIGINS, ShardingPlan, _comm_str, _seconds
 from jaxpar._src.report.context import OUTSIDE, NodeContext
-from jaxpar._src.spec import Spec
+from jaxpar._src.report.figures import LayoutTable
 
 COLUMNS = ("id", "kind", "op", "loc", "layer", "module", "ins", "outs", "shapes", "origin",
            "comm", "bytes", "runner", "back", "heavy")
@@ -33,15 +33,16 @@ class _Strings:
         return k
 
 
-def explorer_data(plan: ShardingPlan, contexts: Sequence[NodeContext],
-                  layouts: Mapping[Spec, int]) -> str:
+def explorer_data(plan: ShardingPlan, contexts: Sequence[NodeContext], layouts: LayoutTable
+                  ) -> str:
     """The JSON the explorer script reads (``</`` escaped for a ``<script>`` element)."""
     s = _Strings()
     searched = any(d.terms is not None for d in plan.decisions)
     shape_text: dict[tuple, int] = {}  # interned per distinct (in shapes, out shapes)
     module_text: dict[tuple[str, ...], int] = {}
     nodes = []
-    for d, ctx in zip(plan.decisions, contexts, strict=True):
+    for d, ctx, ins, outs in zip(plan.decisions, contexts, layouts.ins, layouts.outs,
+                                 strict=True):
         kind = str(getattr(d.kind, "value", d.kind))
         if kind == "control":
             continue
@@ -53,9 +54,9 @@ def explorer_data(plan: ShardingPlan, contexts: Sequence[NodeContext],
         key = (d.in_shapes, d.out_shapes)
         shapes = shape_text.get(key)
         if shapes is None:
-            ins = " · ".join(_shape(x) for x in d.in_shapes)
-            outs = " · ".join(_shape(x) for x in d.out_shapes)
-            shapes = shape_text[key] = s(f"{ins} → {outs}" if ins and outs else ins or outs)
+            a = " · ".join(_shape(x) for x in d.in_shapes)
+            b = " · ".join(_shape(x) for x in d.out_shapes)
+            shapes = shape_text[key] = s(f"{a} → {b}" if a and b else a or b)
         module = module_text.get(ctx.module)
         if module is None:
             module = module_text[ctx.module] = s(" › ".join(ctx.module))
@@ -66,7 +67,7 @@ def explorer_data(plan: ShardingPlan, contexts: Sequence[NodeContext],
         runner = d.runner_up_str() if searched and d.runner_up is not None else ""
         heavy = int(d.name in HEAVY or d.origin in USER_ORIGINS or comm_bytes > 0)
         nodes.append([d.node, s(kind), s(op), s(loc), s(ctx.layer), module,
-                      [layouts[x] for x in d.in_specs], [layouts[x] for x in d.out_specs],
+                      ins, outs,
                       shapes, s(d.origin), s(comm), round(comm_bytes), s(runner),
                       int(ctx.backward), heavy])
     data = {"s": s.table, "n": nodes, "searched": searched,

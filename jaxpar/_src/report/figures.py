@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jaxpar._src.plan import ShardingPlan, _bytes, _seconds
@@ -12,29 +13,49 @@ KIND_COLORS = {"all-reduce": "#e15759", "all-gather": "#f28e2b", "reduce-scatter
                "all-to-all": "#b07aa1", "collective-permute": "#9c755f"}
 
 
-def layout_counts(plan: ShardingPlan) -> dict[Spec, int]:
-    """How many operands and results of the plan have each layout."""
-    counts: dict[Spec, int] = {}
-    get = counts.get
+@dataclasses.dataclass(frozen=True)
+class LayoutTable:
+    """Every distinct layout of a plan, most used first, with its colour; and per node the
+    indices of its operands' and results' layouts."""
+
+    specs: tuple[Spec, ...]
+    counts: tuple[int, ...]  # operands and results with that layout
+    colors: tuple[str, ...]  # grey for whole tensors, the palette by frequency else
+    ins: tuple[tuple[int, ...], ...]  # per decision
+    outs: tuple[tuple[int, ...], ...]
+
+
+def layout_table(plan: ShardingPlan) -> LayoutTable:
+    """One pass over the plan (a 24-layer model has forty thousand layouts to count)."""
+    ids: dict[Spec, int] = {}
+    counts: list[int] = []
+    ins, outs = [], []
     for d in plan.decisions:
-        for spec in d.out_specs:
-            counts[spec] = get(spec, 0) + 1
-        for spec in d.in_specs:
-            counts[spec] = get(spec, 0) + 1
-    return counts
-
-
-def layout_colors(counts: Mapping[Spec, int]) -> dict[Spec, str]:
-    """A colour per distinct layout: grey for whole tensors, the palette by frequency else."""
-    out: dict[Spec, str] = {}
-    k = 0
-    for spec in sorted(counts, key=lambda s: -counts[s]):
-        if spec.is_replicated:
-            out[spec] = svg.REPLICATED
+        for specs, out in ((d.in_specs, ins), (d.out_specs, outs)):
+            row = []
+            for spec in specs:
+                k = ids.get(spec)
+                if k is None:
+                    k = ids[spec] = len(counts)
+                    counts.append(0)
+                counts[k] += 1
+                row.append(k)
+            out.append(row)
+    first = list(ids)
+    rank = sorted(range(len(first)), key=lambda k: -counts[k])
+    new = [0] * len(first)
+    for r, k in enumerate(rank):
+        new[k] = r
+    colors, k = [], 0
+    for old in rank:
+        if first[old].is_replicated:
+            colors.append(svg.REPLICATED)
         else:
-            out[spec] = svg.color(k)
+            colors.append(svg.color(k))
             k += 1
-    return out
+    return LayoutTable(tuple(first[i] for i in rank), tuple(counts[i] for i in rank),
+                       tuple(colors), tuple(tuple(new[i] for i in row) for row in ins),
+                       tuple(tuple(new[i] for i in row) for row in outs))
 
 
 def step_timeline(plan: ShardingPlan, contexts: Sequence = ()) -> str:

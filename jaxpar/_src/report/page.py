@@ -17,8 +17,8 @@ from jaxpar._src.report.causes import (
     CompiledCollective,
 )
 from jaxpar._src.report.context import NodeContext
+from jaxpar._src.report.figures import LayoutTable
 from jaxpar._src.report.svg import esc
-from jaxpar._src.spec import Spec
 
 STATUS_CLASS = {PREDICTED: "ok", DIFFERENT: "diff", UNPREDICTED: "new", XLA_OWN: "xla"}
 
@@ -198,15 +198,14 @@ def timeline(plan: ShardingPlan, contexts: Sequence[NodeContext], step_s: float)
             f"simulated step time {esc(_seconds(step_s))}. Hover for operators.</p>")
 
 
-def layouts(plan: ShardingPlan, colors: Mapping[Spec, str], index: Mapping[Spec, int],
-            counts: Mapping[Spec, int]) -> str:
+def layouts(plan: ShardingPlan, table: LayoutTable) -> str:
     figs = []
-    for spec in sorted(index, key=index.__getitem__):
+    for k, (spec, count, color) in enumerate(zip(table.specs, table.counts, table.colors,
+                                                 strict=True)):
         grid = svg.device_grid(spec, plan.mesh, plan.device_ids)
-        figs.append(f'<figure data-l="{index[spec]}" data-name="{esc(spec)}" '
-                    f'data-color="{colors[spec]}"><figcaption><span class=chip style="'
-                    f'background:{colors[spec]}">{esc(spec)}</span> {counts[spec]} uses'
-                    f"</figcaption>{grid}</figure>")
+        figs.append(f'<figure data-l="{k}" data-name="{esc(spec)}" data-color="{color}">'
+                    f'<figcaption><span class=chip style="background:{color}">{esc(spec)}'
+                    f"</span> {count} uses</figcaption>{grid}</figure>")
     return ("<p class=muted>Each layout names the mesh axes that split each tensor dimension "
             "(<code>-</code>: whole). The grid is the mesh (rows: first axis); a cell is a "
             "device, labelled with the block of the tensor it holds; devices of one colour "
