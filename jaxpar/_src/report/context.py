@@ -157,6 +157,8 @@ def _location(frames: tuple[tuple[str, int, str], ...]) -> str:
         return ""
     own = [f for f in frames if not _LIBRARY.search(f[0])]
     file, line, function = (own or frames)[0]
+    if "<locals>" in function:  # make_train_step.<locals>.train_step -> train_step
+        function = function.rsplit(".", 1)[-1]
     return f"{short_path(file)}:{line} ({function})"
 
 

@@ -102,7 +102,8 @@ def memory_bars(plan: ShardingPlan, compiled: Mapping[str, int] | None) -> str:
             ("outputs not aliased", max(compiled["output"] - compiled["alias"], 0), "#59a14f"),
             ("temporaries", compiled["temp"], "#edc948")]))
     marker = ("memory_per_device", plan.memory_budget) if plan.memory_budget else None
-    return svg.stacked_bars(rows, _bytes, marker=marker)
+    parts = [(part, fill) for _, row in rows for part, _, fill in row]
+    return svg.stacked_bars(rows, _bytes, marker=marker) + f"<div>{svg.legend(parts)}</div>"
 
 
 def kind_legend() -> str:

@@ -42,7 +42,7 @@ margin-right:4px;border-radius:2px}
 .jxr .jxr-layouts{display:flex;flex-wrap:wrap;gap:14px}.jxr figure{margin:2px 8px 2px 0;
 display:inline-block;vertical-align:top}.jxr figcaption{font:11px monospace}
 .jxr details>summary{cursor:pointer;padding:2px 0}.jxr .jxr-body{margin-left:14px}
-.jxr code{font-size:12px}.jxr .cause{max-width:620px}
+.jxr code{font-size:12px}.jxr .cause{max-width:620px}.jxr .cause ul{margin:0;padding-left:16px}
 .jxr svg text{font-family:system-ui,sans-serif;fill:#222}
 """
 

@@ -175,7 +175,8 @@ def timeline(lanes: Sequence[str], segments: Sequence[tuple[int, float, float, s
     y = len(lanes) * lane_h + 14
     for k in range(5):
         x = label_w + span * k / 4
-        out.append(f'<text x="{x:.1f}" y="{y}" font-size="10" text-anchor="middle">'
+        anchor = "end" if k == 4 else "middle"
+        out.append(f'<text x="{x:.1f}" y="{y}" font-size="10" text-anchor="{anchor}">'
                    f'{esc(fmt(total * k / 4))}</text>')
     out.append("</svg>")
     return "".join(out)
