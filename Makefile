@@ -9,7 +9,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export PYTHONHASHSEED = 0
 
-.PHONY: help demo test test-fast lint notebooks bench clean
+.PHONY: help demo test test-fast lint notebooks bench clean chromium
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -23,9 +23,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## Auto-parallelise a GPT-style Flax model on 8 emulated CPU devices.
 	$(PY) examples/gpt_semi_auto.py
 
-test: $(STAMP)  ## Run the whole suite: lint, unit tests, doctests, examples and notebooks.
+# The report tests open plan reports in a real headless browser: Debian's chromium package.
+chromium:  ## Install Chromium (apt, as root) when it is missing; the report tests drive it.
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { echo "installing chromium (report tests)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) chromium  ## Run the whole suite: lint, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
+	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
 	$(MAKE) --no-print-directory notebooks
 
 test-fast: $(STAMP)  ## The suite without the slow tests.

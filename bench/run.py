@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Four tables, all in one run:
+itself costs.  Five tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -10,7 +10,9 @@ itself costs.  Four tables, all in one run:
 3. **hand plans**: on GPT-style models of 12 and 24 layers and meshes (8,), (2,4), (4,2), priced
    for H100 nodes, the simulated step time of the automatic plan beside pure data parallel,
    Megatron tensor parallel and data x tensor parallel written by hand;
-4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode.
+4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode;
+5. **plan reports**: size and build time of the HTML report of 2- and 24-layer GPTs, and how
+   many compiled collectives it traced to their cause.
 
 Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
@@ -302,6 +304,49 @@ def speed_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+# -- 5. plan reports ------------------------------------------------------------------------------
+def report_rows(quick: bool) -> list[dict]:
+    """The HTML report of GPT train steps: its size, how long it takes to build (the compiled
+    program given; wall and CPU seconds), and how many compiled collectives it traced to a plan
+    operator."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    rows = []
+    for layers in (2,) if quick else (2, 24):
+        for mode, annotate in (("semi_auto shard", True), ("auto recursive", False)):
+            step, args = _gpt(layers, annotate=annotate)
+            options = dict(parallel_mode="semi_auto_parallel", in_strategy=(None, None, (2, 1))) \
+                if annotate else dict(parallel_mode="auto_parallel", hardware=H100)
+            p = jaxpar.parallelize(step, mesh=mesh, **options)
+            plan = p.plan(*args)
+            compiled = p.lower(*args).compile()
+            t, c = time.perf_counter(), time.process_time()
+            report = plan.report(compiled=compiled)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            found = report.analysis.collectives
+            rows.append({"model": f"gpt-{layers}L", "mode": mode, "nodes": len(plan.decisions),
+                         "bytes": len(report.html.encode()), "build_s": wall, "build_cpu_s": cpu,
+                         "collectives": len(found),
+                         "with_cause": sum(1 for x in found if x.causes),
+                         "predicted": report.analysis.count("predicted")})
+            print("report", rows[-1], flush=True)
+    return rows
+
+
+def report_table(rows: list[dict]) -> list[str]:
+    lines = ["## Plan reports", "",
+             "`plan.report(compiled=...)` of GPT train steps on mesh (2, 4): page size, build "
+             "time (wall and CPU seconds; the program already compiled), and compiled collective "
+             "instructions traced to the plan operator that caused them (of which the plan "
+             "predicted that kind on those axes).", "",
+             "| model | mode | nodes | report KiB | build s | build CPU s | collectives | "
+             "with a cause | predicted |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['mode']} | {r['nodes']} | {r['bytes'] / 1024:.0f} | "
+                     f"{r['build_s']:.2f} | {r['build_cpu_s']:.2f} | {r['collectives']} | "
+                     f"{r['with_cause']} | {r['predicted']} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models (a smoke run)")
@@ -317,6 +362,7 @@ def main() -> None:
     gaps = gap_rows()
     hands = hand_rows(args.quick)
     speeds = speed_rows(args.quick)
+    reports = report_rows(args.quick)
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
             platform.python_version(), "machine": platform.machine(),
@@ -324,11 +370,11 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds}, f, indent=1)
+                   "search_speed": speeds, "reports": reports}, f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
     for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
-                  speed_table(speeds)):
+                  speed_table(speeds), report_table(reports)):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

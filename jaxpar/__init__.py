@@ -50,6 +50,8 @@ from jaxpar._src.plan import ShardingPlan as ShardingPlan
 from jaxpar._src.ps.context import get_ps_context as get_ps_context
 from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
 from jaxpar._src.ps.context import set_ps_context as set_ps_context
+from jaxpar._src.report.build import Report as Report
+from jaxpar._src.report.diff import PlanDiff as PlanDiff
 from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
@@ -88,4 +90,5 @@ __all__ = [
     "register_rule", "reset_algo_parameters", "reset_auto_parallel_context", "reset_ps_context",
     "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_ps_context",
     "set_seed", "shard",
+    "PlanDiff", "Report",  # plan reports
 ]

@@ -1,4 +1,4 @@
-"""``python -m jaxpar run ...`` / ``python -m jaxpar k8s ...``."""
+"""``python -m jaxpar run ...`` / ``python -m jaxpar k8s ...`` / ``python -m jaxpar plan ...``."""
 
 import sys
 

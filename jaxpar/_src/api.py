@@ -36,6 +36,7 @@ from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.plan import ShardingPlan, make_plan
 from jaxpar._src.planner import decide, load_strategies
+from jaxpar._src.report.context import remember
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
@@ -126,6 +127,19 @@ class Parallelized:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
         return self._compiled(self._bind(args, kwargs)).plan
 
+    def report(self, *args: Any, path: str | None = None, other: ShardingPlan | None = None,
+               title: str | None = None) -> Any:
+        """The HTML report of the plan for these arguments, with the compiled program's
+        collectives and their causes (see :meth:`ShardingPlan.report`).  Compiles the program;
+        pass the function's arguments positionally."""
+        from jaxpar._src.report.build import build_report
+
+        entry = self._compiled(args)
+        compiled = self.lower(*args).compile()
+        return build_report(entry.plan, compiled=compiled, graph=entry.program.graph,
+                            other=other, title=title or f"jaxpar plan of {self._api}",
+                            path=path)
+
     def compiled_entry(self, *args: Any, **kwargs: Any) -> Compiled:
         """The traced program, plan, settings and timings for these arguments."""
         return self._compiled(self._bind(args, kwargs))
@@ -188,6 +202,7 @@ class Parallelized:
         if entry is None:
             with paused_gc():
                 entry = self._cache[key] = self._build(args, settings)
+            remember(entry.plan, entry.program.graph)  # for plan.report() / notebooks
         return entry
 
     def _build(self, args: tuple, settings: Settings) -> Compiled:

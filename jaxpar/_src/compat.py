@@ -51,6 +51,51 @@ def source_location(eqn: jcore.JaxprEqn) -> str:
 _LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
+def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
+    """``(file, line, qualified function)`` of every user frame that created ``eqn``,
+    innermost first (JAX's and jaxpar's own frames left out); ``()`` when unknown."""
+    if _siu is None:
+        return ()
+    try:
+        tb = eqn.source_info.traceback
+        if tb is None:
+            return ()
+        if not hasattr(tb, "raw_frames"):  # pragma: no cover - another JAX
+            return tuple((f.file_name, f.start_line, f.function_name)
+                         for f in _siu.user_frames(tb))
+        codes, lastis = tb.raw_frames()
+        out = []
+        for code, lasti in zip(codes, lastis, strict=True):
+            # Equations of one layer share their frames: resolve each one once.
+            frame = _FRAMES.get((code, lasti))
+            if frame is None:
+                frame = _FRAMES[(code, lasti)] = _frame(code, lasti)
+            if frame[0]:
+                out.append(frame)
+        return tuple(out)
+    except Exception:  # noqa: BLE001 - a missing location must never break a report
+        return ()
+
+
+_FRAMES: dict[tuple[Any, int], tuple[str, int, str]] = {}
+
+
+def _frame(code: Any, lasti: int) -> tuple[str, int, str]:
+    """``(file, line, function)``; the file is ``""`` for JAX's and jaxpar's own frames."""
+    if not _siu.is_user_filename(code.co_filename):
+        return "", 0, ""
+    f = _siu.raw_frame_to_frame(code, lasti)
+    return f.file_name, f.start_line, f.function_name
+
+
+def name_stack(eqn: jcore.JaxprEqn) -> str:
+    """The equation's name stack as text (``jvp()``, ``transpose(jvp(block))``), or ``""``."""
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
                   params: dict[str, Any] | None = None) -> list[Any]:
     """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list.

@@ -30,6 +30,14 @@ from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import Spec
 
 
+def node_scope(node_id: int) -> str:
+    """The name scope around a node's lowering: the compiled program's op metadata
+    (``op_name``) then names the plan node every instruction, and every collective XLA inserts
+    for it, comes from (``jaxpar#12``); reports and profiles map instructions back to plans by it.
+    """
+    return f"jaxpar#{node_id}"
+
+
 def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
     return NamedSharding(mesh, spec.to_partition_spec())
 
@@ -85,7 +93,8 @@ class _Evaluator:
         outs = []
         for nid in self.graph.outputs:
             d = self.plan.decisions[nid]
-            outs.append(self.read(env, self.graph.nodes[nid].inputs[0], d.in_specs[0]))
+            with jax.named_scope(node_scope(nid)):
+                outs.append(self.read(env, self.graph.nodes[nid].inputs[0], d.in_specs[0]))
         return outs
 
     def eval_seq(self, seq: Sequence[int], env: dict) -> None:
@@ -103,6 +112,10 @@ class _Evaluator:
             # input, output, enter, exit: filled by run() / the control node
 
     def eval_op(self, node: Node, env: dict) -> None:
+        with jax.named_scope(node_scope(node.id)):
+            self._eval_op(node, env)
+
+    def _eval_op(self, node: Node, env: dict) -> None:
         d = self.plan.decisions[node.id]
         invals = [self.read(env, o, s) for o, s in zip(node.inputs, d.in_specs, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
@@ -114,12 +127,14 @@ class _Evaluator:
 
     def _enter(self, nid: int, env: dict, x: Any) -> None:
         node = self.graph.nodes[nid]
-        env[node.outputs[0]] = self.constrain(x, self.plan.decisions[nid].out_specs[0])
+        with jax.named_scope(node_scope(nid)):
+            env[node.outputs[0]] = self.constrain(x, self.plan.decisions[nid].out_specs[0])
 
     def _outer(self, nid: int, env: dict, operand_index: int = 0) -> Any:
         node = self.graph.nodes[nid]
-        return self.read(env, node.inputs[operand_index],
-                         self.plan.decisions[nid].in_specs[operand_index])
+        with jax.named_scope(node_scope(nid)):
+            return self.read(env, node.inputs[operand_index],
+                             self.plan.decisions[nid].in_specs[operand_index])
 
     def _exits(self, node: Node, env: dict, results: Sequence[Any]) -> None:
         for eid in node.params.get("exits", ()):

@@ -268,6 +268,47 @@ class ShardingPlan:
     def __str__(self) -> str:
         return self.explain()
 
+    # -- reports (jaxpar/_src/report) -----------------------------------------------------------
+    def report(self, path: str | os.PathLike | None = None, *, compiled: Any = None,
+               other: ShardingPlan | None = None, title: str | None = None) -> Any:
+        """A self-contained HTML report of this plan (a :class:`jaxpar.Report`).
+
+        It shows the operator graph grouped by layer, source line or module path and coloured
+        by layout, each layout as a device grid, the simulated step timeline, memory and FLOPs,
+        the search's runner-ups, and, given the compiled program, every collective XLA inserted
+        with its cause: the plan operators (and source lines) whose layouts made it.
+
+        Args:
+          path: where to write the page (``None``: only return the report).
+          compiled: the compiled program, ``step.lower(*args).compile()`` (or its ``Lowered``,
+            or HLO text): needed for the collectives and their causes.
+            ``step.report(*args)`` compiles it for you.
+          other: another plan to compare with (a "changes" section, see :meth:`diff`).
+          title: the page title.
+
+        >>> import jax.numpy as jnp
+        >>> import jaxpar
+        >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((8,), ("dp",)),
+        ...                        parallel_mode="data_parallel", batch_argnums=0)
+        >>> r = f.plan(jnp.ones((16, 8)), jnp.ones((8, 4))).report()
+        >>> r.html.startswith("<!DOCTYPE html>"), "Operator graph" in r.html
+        (True, True)
+        """
+        from jaxpar._src.report.build import build_report
+
+        return build_report(self, compiled=compiled, other=other, title=title, path=path)
+
+    def diff(self, other: ShardingPlan) -> Any:
+        """What changed from this plan to ``other``: settings, argument and operator layouts
+        (repeated layers folded), predicted collectives and cost.  ``str()`` of the result is a
+        text report; in a notebook it renders as tables."""
+        from jaxpar._src.report.diff import diff_plans
+
+        return diff_plans(self, other)
+
+    def _repr_html_(self) -> str:
+        return self.report().fragment
+
     # -- persistence --------------------------------------------------------------------------
     def to_json(self) -> str:
         from jaxpar._src.plan_json import plan_to_dict

@@ -1,5 +1,7 @@
 """The ``jaxpar`` command: ``jaxpar run`` (launcher) and ``jaxpar k8s`` (manifests).
 
+``jaxpar plan`` plans a function and writes its HTML report (``jaxpar/_src/report/command.py``).
+
 Also reachable as ``python -m jaxpar ...``.
 """
 
@@ -46,14 +48,31 @@ def _k8s_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p)
 
 
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    from jaxpar._src.report.command import add_arguments
+
+    p = sub.add_parser(
+        "plan", help="plan a function, print its table and write its HTML report",
+        description="Plan FUNCTION (module:function or file.py:function) on a mesh, print the "
+                    "plan's table and the compiled program's collectives with their causes, "
+                    "and write the HTML report. Example: jaxpar plan model.py:train_step "
+                    "--mesh 2x4 --builder model.py:make_args --html plan.html")
+    add_arguments(p)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _k8s_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(parser, args)
+    if args.command == "plan":
+        from jaxpar._src.report.command import command as plan_command
+
+        return plan_command(args)
     from jaxpar._src.launch.k8s import command
 
     return command(parser, args)
