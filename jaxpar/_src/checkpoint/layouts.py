@@ -163,7 +163,7 @@ class ParameterLayouts(Mapping[str, PartitionSpec]):
                 item["dtype"] = a.dtype
             # MindSpore's strategy-file fields: the device matrix and the tensor map
             item["dev_matrix"] = list(self.mesh.sizes)
-            item["tensor_map"] = _tensor_map(a.spec, self.mesh)
+            item["tensor_map"] = _tensor_map(a.spec, self.mesh, a.shape)
             if a.checksum is not None:
                 item["checksum"] = list(a.checksum)
             items[path] = item
@@ -212,12 +212,13 @@ def _spec_str(spec: PartitionSpec) -> str:
     return "replicated" if not any(e is not None for e in spec) else str(tuple(spec))
 
 
-def _tensor_map(spec: PartitionSpec, mesh: MeshShape) -> list:
+def _tensor_map(spec: PartitionSpec, mesh: MeshShape, shape: Sequence[int] | None) -> list:
     """MindSpore's tensor map: per dimension the device-matrix axis, counted from the right
     (-1: not split)."""
     n = len(mesh.names)
+    entries = list(spec) + [None] * ((len(shape) if shape is not None else 0) - len(spec))
     out: list = []
-    for e in spec:
+    for e in entries:
         if e is None:
             out.append(-1)
         elif isinstance(e, str):

@@ -42,7 +42,14 @@ def _ocp() -> Any:
 
 
 def checkpointer() -> Any:
-    """An orbax ``Checkpointer`` for jaxpar's three items (JSON items under readable names)."""
+    """An orbax ``Checkpointer`` for jaxpar's three items."""
+    ocp = _ocp()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(handler_registry=registry()))
+
+
+def registry() -> Any:
+    """orbax handlers for jaxpar's three items (the JSON items under readable file names); a
+    ``CheckpointManager`` takes it too."""
     ocp = _ocp()
     registry = ocp.DefaultCheckpointHandlerRegistry()
     tree = ocp.PyTreeCheckpointHandler()
@@ -52,7 +59,7 @@ def checkpointer() -> Any:
         handler = ocp.JsonCheckpointHandler(filename=filename)
         registry.add(item, ocp.args.JsonSave, handler)
         registry.add(item, ocp.args.JsonRestore, handler)
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(handler_registry=registry))
+    return registry
 
 
 def save_items(tree: Any, strategy: ParameterLayouts, plan: Mapping | None,
@@ -84,11 +91,14 @@ def write(directory: str | os.PathLike, tree: Any, strategy: ParameterLayouts,
     target = path.with_name(path.name + REPLACING) if path.exists() else path
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(path.name + ORBAX_TMP + "*"):
-            shutil.rmtree(stale, ignore_errors=True)  # a save that crashed
-        shutil.rmtree(path.with_name(path.name + REPLACING), ignore_errors=True)
+        _remove_unfinished(path)  # a save that crashed
     _barrier("jaxpar_checkpoint_prepare")
-    checkpointer().save(target, args=save_items(tree, strategy, plan, chunk_bytes))
+    try:
+        checkpointer().save(target, args=save_items(tree, strategy, plan, chunk_bytes))
+    except BaseException:
+        if jax.process_index() == 0:
+            _remove_unfinished(path)
+        raise
     if target != path:
         if jax.process_index() == 0:
             old = path.with_name(path.name + ".jaxpar-old")
@@ -98,6 +108,12 @@ def write(directory: str | os.PathLike, tree: Any, strategy: ParameterLayouts,
             shutil.rmtree(old, ignore_errors=True)
         _barrier("jaxpar_checkpoint_replace")
     return path
+
+
+def _remove_unfinished(path: Path) -> None:
+    for pattern in (path.name + ORBAX_TMP + "*", path.name + REPLACING + "*"):
+        for stale in path.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _barrier(name: str) -> None:
@@ -185,6 +201,12 @@ def _read_json(directory: Path, item: str) -> dict | None:
 def restore(saved: Saved, wants: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Reads the arrays named in ``wants``: each onto the sharding of its
     ``jax.ShapeDtypeStruct``, or into host memory (``np.ndarray`` as the value)."""
+    paths, leaves, _ = flatten(restore_tree(saved, wants, where=where))
+    return {p: x for p, x in zip(paths, leaves, strict=True) if p in wants}
+
+
+def restore_tree(saved: Saved, wants: Mapping[str, Any], *, where: str) -> Any:
+    """Like :func:`restore`, as the tree orbax saved (``...`` where nothing was wanted)."""
     ocp = _ocp()
 
     def item(path: Any, m: Any) -> Any:
@@ -207,15 +229,13 @@ def restore(saved: Saved, wants: Mapping[str, Any], *, where: str) -> dict[str, 
     target = jax.tree_util.tree_map_with_path(item, saved.tree, is_leaf=_is_meta)
     args = jax.tree_util.tree_map_with_path(restore_args, saved.tree, is_leaf=_is_meta)
     try:
-        out = checkpointer().restore(saved.directory, args=ocp.args.Composite(
+        return checkpointer().restore(saved.directory, args=ocp.args.Composite(
             **{STATE: ocp.args.PyTreeRestore(item=target, restore_args=args)}))[STATE]
     except Exception as e:  # noqa: BLE001 - tensorstore's errors name the array's files
         raise CheckpointError(
             f"{where}: reading {saved.directory} failed{_array_named(e, wants)}: a shard is "
             f"missing or damaged ({_first_line(e)}). Restore the checkpoint's files (every "
             f"process's ocdbt.process_* directory must be there) or save it again.") from e
-    paths, leaves, _ = flatten(out)
-    return {p: x for p, x in zip(paths, leaves, strict=True) if p in wants}
 
 
 def _first_line(e: BaseException) -> str:
