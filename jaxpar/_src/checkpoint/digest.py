@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 MOD = 1 << 32
-BLOCK = 1 << 20  # elements summed at a time, to keep the index arrays small
+BLOCK = 1 << 18  # elements summed at a time: the temporaries stay near 16 MiB
 _M1, _A1 = np.uint64(0x9E3779B1), np.uint64(0x85EBCA6B)
 _M2, _A2 = np.uint64(0xC2B2AE35), np.uint64(0x27D4EB2F)
 _LOW = np.uint64(MOD - 1)
@@ -85,9 +85,10 @@ def combine(parts: Sequence[Sums]) -> Sums:
 
 
 def local_sums(x: Any) -> Sums:
-    """This process's share of the sums of ``x``: each shard it holds once (replica 0); a host
-    value whole (every process has it: process 0 counts it)."""
-    if isinstance(x, jax.Array):
+    """This process's share of the sums of ``x``: each shard it holds once (replica 0); a value
+    every process has whole (host values, arrays on this process's devices only) is counted by
+    process 0."""
+    if isinstance(x, jax.Array) and not (jax.process_count() > 1 and x.is_fully_addressable):
         parts = []
         for shard in x.addressable_shards:
             if shard.replica_id != 0:

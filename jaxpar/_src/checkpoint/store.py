@@ -66,6 +66,9 @@ def save_items(tree: Any, strategy: ParameterLayouts, plan: Mapping | None,
                chunk_bytes: int | Mapping[str, int] | None) -> Any:
     """The orbax ``Composite`` arguments that save ``tree`` with its strategy (and plan)."""
     ocp = _ocp()
+    if jax.process_count() > 1:  # an array on this process's devices only is a host value
+        tree = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array)
+                            and x.is_fully_addressable else x, tree)
     from jaxpar._src.trace import dotted
 
     def args(path: Any, _: Any) -> Any:
