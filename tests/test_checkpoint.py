@@ -205,15 +205,33 @@ def test_a_16_device_checkpoint_loads_on_8_devices(tmp_path):
     jaxpar.save_checkpoint(state, tmp_path / "host")  # host arrays: one device's worth
     sixteen = _layouts((4, 4), ("dp", "mp"), {"embed": P("dp", "mp"), "layer": P("dp", "mp")},
                        stacked=False)
-    jaxpar.transform_checkpoints(tmp_path / "host", tmp_path / "sixteen", dst_strategy=sixteen)
-    # stored in chunks of one 16-device shard: (8/4, 16/4) of a layer, (32/4, 8/4) of embed
-    meta = json.loads((tmp_path / "sixteen" / "state" / "_METADATA").read_text())
-    assert meta["tree_metadata"]  # orbax's own metadata (the chunk shapes are in the zarr)
+    written = jaxpar.transform_checkpoints(tmp_path / "host", tmp_path / "sixteen",
+                                           dst_strategy=sixteen)
+    assert written.mesh.num_devices == 16 and written.shard_shape("params.embed") == (8, 2)
     serve = jaxpar.make_mesh((8,), ("x",))
     got = jaxpar.load_distributed_checkpoint(
         {"embed": jax.ShapeDtypeStruct((32, 8), jnp.float32)}, tmp_path / "sixteen",
         predict_strategy={"embed": NamedSharding(serve, P("x"))})
     assert _bits(got["embed"]) == _bits(state["params"]["embed"])
+
+
+def test_layouts_are_found_by_name_under_other_prefixes(saved):
+    """A train step's plan names "params.w" and the optimizer's "opt_state.0.mu.w"; a network
+    asks for "w", and a train state's moments take their parameter's layout."""
+    mesh = jaxpar.make_mesh((8,), ("x",))
+    plan_like = jaxpar.ParameterLayouts(MeshShape.of(mesh), {
+        "params.w": jaxpar.ArrayLayout(P("x"), (16, 32)),
+        "opt_state.0.mu.w": jaxpar.ArrayLayout(P(None, "x"), (16, 32)),
+        "batch": jaxpar.ArrayLayout(P("x"), (8, 16))})
+    got = jaxpar.load_distributed_checkpoint({"w": jnp.zeros((16, 32))}, saved["2x4"],
+                                             predict_strategy=plan_like)
+    assert got["w"].sharding.spec == P("x")
+    from jaxpar._src.checkpoint.strategy import Lookup
+
+    lookup = Lookup(jaxpar.ParameterLayouts(MeshShape.of(mesh), {
+        "w": jaxpar.ArrayLayout(P("x"), (16, 32))}))
+    assert lookup("opt_state.0.nu.w", (16, 32), where="t").spec == P("x")
+    assert lookup("opt_state.0.nu.w", (16, 16), where="t") is None  # not its shape
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -171,6 +171,9 @@ class Lookup:
             keys = [key for key in self._index.get(suffix, ())
                     if (k == 0 or suffix == key or suffix == join(*components(key)[1:]))
                     and _fits(arrays[key], shape)]
+            if keys and k == 0:  # "w" in "params.w" rather than in "opt_state.0.mu.w"
+                fewest = min(len(components(key)) for key in keys)
+                keys = [key for key in keys if len(components(key)) == fewest]
             if keys:
                 specs = {arrays[key].spec for key in keys}
                 if len(specs) > 1:

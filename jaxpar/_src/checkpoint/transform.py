@@ -91,11 +91,37 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike,
         for p, s in zip(arrays, sums, strict=True)}, dst.device_ids,
         f"transform_checkpoints ({dst.origin})" if dst.origin else "transform_checkpoints")
     chunks = chunk_bytes if chunk_bytes is not None else {
-        p: max(MIN_CHUNK, num_bytes(written.shard_shape(p), a.dtype))
+        p: _chunk_bytes(a.shape, a.dtype, written.shard_shape(p))
         for p, a in written.arrays.items()}
     store.write(dst_checkpoints_dir, nest(arrays), written, overwrite=overwrite,
                 chunk_bytes=chunks, where=API)
     return written
+
+
+def _chunk_bytes(shape: tuple[int, ...], dtype: str, shard: tuple[int, ...]) -> int | None:
+    """A chunk size for which orbax cuts the array into chunks that tile one destination
+    shard, so that each destination device reads its own bytes; ``None`` (one chunk) for
+    arrays under ``MIN_CHUNK``.  orbax picks the chunk shape from a byte size (halving the
+    largest dimension first); its own function predicts the shape, from the shard's size down
+    to ``MIN_CHUNK``."""
+    whole = num_bytes(shape, dtype)
+    if whole <= MIN_CHUNK:
+        return None
+    target = max(MIN_CHUNK, num_bytes(shard, dtype))
+    try:
+        from orbax.checkpoint._src.arrays.subchunking import choose_chunk_shape
+    except ImportError:  # another orbax: chunks of about one shard
+        return target
+    size = target
+    while size >= MIN_CHUNK:
+        try:
+            chunk = choose_chunk_shape(shape, shape, np.dtype(dtype), size)
+        except Exception:  # noqa: BLE001 - its signature changed: chunks of about one shard
+            return target
+        if all(s % c == 0 for s, c in zip(shard, chunk, strict=True)):
+            return size
+        size //= 2
+    return target
 
 
 def destination(saved: store.Saved, dst: ParameterLayouts) -> dict[str, ArrayLayout]:
