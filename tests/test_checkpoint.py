@@ -234,6 +234,20 @@ def test_layouts_are_found_by_name_under_other_prefixes(saved):
     assert lookup("opt_state.0.nu.w", (16, 16), where="t") is None  # not its shape
 
 
+def test_a_transform_stores_chunks_that_tile_the_destination_shards(tmp_path):
+    from jaxpar._src.checkpoint import store
+
+    w = np.random.default_rng(5).normal(size=(3072, 1024)).astype(np.float32)  # 12 MiB
+    jaxpar.save_checkpoint({"w": w}, tmp_path / "whole")  # one chunk
+    rows = jaxpar.ParameterLayouts(MeshShape(("x",), (8,)), {
+        "w": jaxpar.ArrayLayout(P("x"), (3072, 1024))})
+    jaxpar.transform_checkpoints(tmp_path / "whole", tmp_path / "rows", dst_strategy=rows)
+    meta = store.checkpointer().metadata(tmp_path / "rows").item_metadata["state"].tree
+    chunk = meta["w"].storage.chunk_shape
+    assert 384 % chunk[0] == 0 and 1024 % chunk[1] == 0, chunk  # a shard is (384, 1024)
+    assert np.prod(chunk) * 4 >= 2**18  # and not tiny
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_a_network_that_does_not_match_lists_names_and_shapes(saved):
     network = {"w": jax.ShapeDtypeStruct((16, 64), jnp.float32),

@@ -10,6 +10,7 @@ layout is needed, so 8 devices can be turned into 1 on a laptop, or 1 into 8.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -93,8 +94,14 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike,
     chunks = chunk_bytes if chunk_bytes is not None else {
         p: _chunk_bytes(a.shape, a.dtype, written.shard_shape(p))
         for p, a in written.arrays.items()}
-    store.write(dst_checkpoints_dir, nest(arrays), written, overwrite=overwrite,
-                chunk_bytes=chunks, where=API)
+    absl = logging.getLogger("absl")  # chunks under 1 MiB are chosen on purpose: no warning
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        store.write(dst_checkpoints_dir, nest(arrays), written, overwrite=overwrite,
+                    chunk_bytes=chunks, where=API)
+    finally:
+        absl.setLevel(level)
     return written
 
 
@@ -103,7 +110,7 @@ def _chunk_bytes(shape: tuple[int, ...], dtype: str, shard: tuple[int, ...]) -> 
     shard, so that each destination device reads its own bytes; ``None`` (one chunk) for
     arrays under ``MIN_CHUNK``.  orbax picks the chunk shape from a byte size (halving the
     largest dimension first); its own function predicts the shape, from the shard's size down
-    to ``MIN_CHUNK``."""
+    to a quarter of ``MIN_CHUNK``."""
     whole = num_bytes(shape, dtype)
     if whole <= MIN_CHUNK:
         return None
@@ -113,7 +120,7 @@ def _chunk_bytes(shape: tuple[int, ...], dtype: str, shard: tuple[int, ...]) -> 
     except ImportError:  # another orbax: chunks of about one shard
         return target
     size = target
-    while size >= MIN_CHUNK:
+    while size >= MIN_CHUNK // 4:  # a little under orbax's advice beats reading twice
         try:
             chunk = choose_chunk_shape(shape, shape, np.dtype(dtype), size)
         except Exception:  # noqa: BLE001 - its signature changed: chunks of about one shard
