@@ -38,12 +38,21 @@ _LOW = np.uint64(MOD - 1)
 Sums = tuple[int, int]
 
 
+def summable(x: Any) -> bool:
+    """Whether the sums cover ``x``: numbers of 1, 2, 4, 8 or 16 bytes (not strings)."""
+    dtype = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+    return dtype.kind in "biufcV" and dtype.itemsize in (1, 2, 4, 8, 16)
+
+
 def _words(x: np.ndarray) -> np.ndarray:
-    """The elements' bits as unsigned 64-bit integers (8-byte types folded to 32 bits)."""
+    """The elements' bits as unsigned 64-bit integers (wider types folded to 32 bits)."""
     size = x.dtype.itemsize
-    if size == 8:
-        u = x.view(np.uint64)
-        return (u & _LOW) ^ ((u >> np.uint64(32)) * _M2 & _LOW)
+    if size >= 8:
+        u = x.view(np.uint64).reshape(*x.shape, size // 8)
+        folded = u[..., 0]
+        for k in range(1, size // 8):  # complex128: both halves
+            folded = (folded * _M1) ^ u[..., k]
+        return (folded & _LOW) ^ ((folded >> np.uint64(32)) * _M2 & _LOW)
     kind = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
     return x.view(kind).astype(np.uint64)
 
@@ -102,12 +111,15 @@ def local_sums(x: Any) -> Sums:
     return block_sums(value, [0] * value.ndim, value.shape)
 
 
-def tree_sums(leaves: Sequence[Any]) -> list[Sums]:
-    """The sums of every leaf, added over all processes (one small all-gather)."""
-    local = np.array([local_sums(x) for x in leaves], dtype=np.uint64).reshape(-1, 2)
+def tree_sums(leaves: Sequence[Any]) -> list[Sums | None]:
+    """The sums of every leaf (``None`` for strings and other non-numbers), added over all
+    processes (one small all-gather)."""
+    local = np.array([local_sums(x) if summable(x) else (0, 0) for x in leaves],
+                     dtype=np.uint64).reshape(-1, 2)
     if jax.process_count() > 1 and len(leaves):
         from jax.experimental import multihost_utils
 
         every = np.asarray(multihost_utils.process_allgather(local.astype(np.uint32)))
         local = every.reshape(jax.process_count(), -1, 2).astype(np.uint64).sum(axis=0)
-    return [(int(a) % MOD, int(b) % MOD) for a, b in local]
+    return [(int(a) % MOD, int(b) % MOD) if summable(x) else None
+            for (a, b), x in zip(local, leaves, strict=True)]
