@@ -41,7 +41,11 @@ FORMAT = "jaxpar.layouts/1"
 @dataclasses.dataclass(frozen=True)
 class ArrayLayout:
     """One array's layout: its ``PartitionSpec`` over the mesh, global shape and dtype (``None``
-    when unknown), and, in a checkpoint's strategy, a checksum of its contents."""
+    when unknown), and, in a checkpoint's strategy, a checksum of its contents.
+
+    >>> ArrayLayout(P(None, "mp", None), (16, 32, 8), "float32").spec == P(None, "mp")
+    True
+    """
 
     spec: PartitionSpec
     shape: tuple[int, ...] | None = None
@@ -70,6 +74,10 @@ class ParameterLayouts(Mapping[str, PartitionSpec]):
         them.
       device_ids: the mesh's devices, row-major (empty: the first devices of the process).
       origin: what made it ("checkpoint", "plan (semi_auto_parallel)", ...).
+
+    >>> layouts = ParameterLayouts(MeshShape(("mp",), (4,)), {"w": ArrayLayout(P("mp"), (8, 2))})
+    >>> dict(layouts) == {"w": P("mp")}, layouts.sharding("w").spec == P("mp")
+    (True, True)
     """
 
     mesh: MeshShape

@@ -63,6 +63,19 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike,
     Raises:
       CheckpointError: a strategy belongs to another program, the destination strategy has no
         layout for some array (all listed), or a source shard is missing or damaged.
+
+    Layers stacked for a scan on 8 devices, unrolled for 16 (more than this process has):
+
+    >>> import tempfile, numpy as np, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar._src.spec import MeshShape
+    >>> src, dst = tempfile.mkdtemp() + "/scan", tempfile.mkdtemp() + "/unrolled"
+    >>> _ = jaxpar.save_checkpoint({"blocks": {"w": np.ones((3, 16, 16), np.float32)}}, src)
+    >>> sixteen = jaxpar.ParameterLayouts(MeshShape(("dp", "mp"), (4, 4)), {
+    ...     f"blocks.{i}.w": jaxpar.ArrayLayout(P("dp", "mp"), (16, 16)) for i in range(3)})
+    >>> written = jaxpar.transform_checkpoints(src, dst, dst_strategy=sixteen)
+    >>> list(written), written.shard_shape("blocks.2.w")
+    (['blocks.0.w', 'blocks.1.w', 'blocks.2.w'], (4, 4))
     """
     saved = store.read(store.locate(src_checkpoints_dir, step, where=API), where=API)
     if src_strategy is not None:
