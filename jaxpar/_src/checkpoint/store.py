@@ -36,8 +36,11 @@ REPLACING = ".jaxpar-replacing"
 
 
 def _ocp() -> Any:
-    import orbax.checkpoint as ocp
-
+    try:
+        import orbax.checkpoint as ocp
+    except ModuleNotFoundError:
+        raise CheckpointError("jaxpar checkpoints are written with orbax, which is not "
+                              "installed: pip install 'jaxpar[checkpoint]'.") from None
     return ocp
 
 
