@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Five tables, all in one run:
+itself costs.  Six groups of tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -12,7 +12,10 @@ itself costs.  Five tables, all in one run:
    Megatron tensor parallel and data x tensor parallel written by hand;
 4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode;
 5. **plan reports**: size and build time of the HTML report of 2- and 24-layer GPTs, and how
-   many compiled collectives it traced to their cause.
+   many compiled collectives it traced to their cause;
+6. **checkpoints** (``bench/checkpoint.py``): bytes read and peak RSS of distributed loads by
+   1 and 4 processes against the checkpoint's size, and ``infer_predict_layout`` beside XLA's
+   compile.
 
 Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
@@ -363,6 +366,9 @@ def main() -> None:
     hands = hand_rows(args.quick)
     speeds = speed_rows(args.quick)
     reports = report_rows(args.quick)
+    import checkpoint  # bench/checkpoint.py: distributed loads, infer_predict_layout
+
+    ckpt = checkpoint.main(["--quick"] if args.quick else [])
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
             platform.python_version(), "machine": platform.machine(),
@@ -370,11 +376,13 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds, "reports": reports}, f, indent=1)
+                   "search_speed": speeds, "reports": reports, **ckpt}, f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
     for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
-                  speed_table(speeds), report_table(reports)):
+                  speed_table(speeds), report_table(reports),
+                  checkpoint.load_table(ckpt["checkpoint_loads"]),
+                  checkpoint.infer_table(ckpt["infer"])):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

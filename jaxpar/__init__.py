@@ -18,6 +18,13 @@ from jaxpar._src.amp.loss_scale import all_finite as all_finite
 from jaxpar._src.amp.precision import auto_mixed_precision as auto_mixed_precision
 from jaxpar._src.api import Parallelized as Parallelized
 from jaxpar._src.api import parallelize as parallelize
+from jaxpar._src.checkpoint.infer import infer_predict_layout as infer_predict_layout
+from jaxpar._src.checkpoint.layouts import ArrayLayout as ArrayLayout
+from jaxpar._src.checkpoint.layouts import ParameterLayouts as ParameterLayouts
+from jaxpar._src.checkpoint.load import load_distributed_checkpoint as load_distributed_checkpoint
+from jaxpar._src.checkpoint.merge import merge_sliced_parameter as merge_sliced_parameter
+from jaxpar._src.checkpoint.save import save_checkpoint as save_checkpoint
+from jaxpar._src.checkpoint.transform import transform_checkpoints as transform_checkpoints
 from jaxpar._src.context import ParallelMode as ParallelMode
 from jaxpar._src.context import auto_parallel_context as auto_parallel_context
 from jaxpar._src.context import get_algo_parameters as get_algo_parameters
@@ -26,6 +33,7 @@ from jaxpar._src.context import reset_algo_parameters as reset_algo_parameters
 from jaxpar._src.context import reset_auto_parallel_context as reset_auto_parallel_context
 from jaxpar._src.context import set_algo_parameters as set_algo_parameters
 from jaxpar._src.context import set_auto_parallel_context as set_auto_parallel_context
+from jaxpar._src.errors import CheckpointError as CheckpointError
 from jaxpar._src.errors import ContextError as ContextError
 from jaxpar._src.errors import DatasetError as DatasetError
 from jaxpar._src.errors import JaxparError as JaxparError
@@ -77,6 +85,9 @@ from jaxpar._src.train.seed import set_seed as set_seed
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayLayout", "CheckpointError", "ParameterLayouts", "infer_predict_layout",
+    "load_distributed_checkpoint", "merge_sliced_parameter", "save_checkpoint",
+    "transform_checkpoints",
     "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
     "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
     "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",

@@ -55,3 +55,8 @@ def warn_once(key: str, message: str) -> None:
 
 class PSError(JaxparError):
     """Parameter-server training cannot go on: a bad configuration, or nothing left to run on."""
+
+
+class CheckpointError(JaxparError):
+    """A checkpoint cannot be written, read or laid out again: it does not match the network,
+    a shard is missing or damaged, or a strategy belongs to another program."""

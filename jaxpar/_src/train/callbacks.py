@@ -184,8 +184,11 @@ class CheckpointConfig:
 
 
 class ModelCheckpoint(Callback):
-    """Saves the training state with orbax under ``directory/prefix`` (every process takes part,
-    as orbax requires for sharded arrays); read it back with :func:`jaxpar.load_checkpoint`."""
+    """Saves the training state with orbax under ``directory/prefix/<step>``: every process
+    writes the shards its devices hold, and the strategy (each array's layout, shape and
+    checksum) goes beside them, as :func:`jaxpar.save_checkpoint` writes it.  Read it back with
+    :func:`jaxpar.load_checkpoint` (as saved) or :func:`jaxpar.load_distributed_checkpoint`
+    (onto another layout); the state is ``{"params", "rest", "opt_state"}``."""
 
     def __init__(self, prefix: str = "ckpt", directory: str | os.PathLike | None = None,
                  config: CheckpointConfig | None = None) -> None:
@@ -201,19 +204,24 @@ class ModelCheckpoint(Callback):
         if self._manager is None:
             import orbax.checkpoint as ocp
 
+            from jaxpar._src.checkpoint import store
+
             options = ocp.CheckpointManagerOptions(max_to_keep=self.config.keep_checkpoint_max)
-            self._manager = ocp.CheckpointManager(self.path, options=options)
+            self._manager = ocp.CheckpointManager(self.path, options=options,
+                                                  handler_registry=store.registry())
         return self._manager
 
     def _save(self, p: CallbackParams, force: bool = False) -> None:
-        import orbax.checkpoint as ocp
+        from jaxpar._src.checkpoint import store
+        from jaxpar._src.checkpoint.save import strategy_with_sums
 
         if p.cur_step_num in self.saved_steps:
             return
         params, rest, opt_state, _ = p.train_state
-        manager = self._open()
-        manager.save(p.cur_step_num, args=ocp.args.StandardSave(
-            {"params": params, "rest": rest, "opt_state": opt_state}), force=force)
+        state = {"params": params, "rest": rest, "opt_state": opt_state}
+        strategy = strategy_with_sums(state, where="jaxpar.ModelCheckpoint")
+        self._open().save(p.cur_step_num, args=store.save_items(state, strategy, None, None),
+                          force=force)
         self.saved_steps.append(p.cur_step_num)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
@@ -227,14 +235,27 @@ class ModelCheckpoint(Callback):
 
 
 def load_checkpoint(path: str | os.PathLike, step: int | None = None, target: Any = None) -> Any:
-    """The state :class:`ModelCheckpoint` saved at ``step`` (default: the newest), as a dict with
-    ``params``, ``rest`` and ``opt_state``; with ``target`` (a matching pytree of arrays) the
-    arrays come back with its shardings."""
-    import orbax.checkpoint as ocp
+    """The state :class:`ModelCheckpoint` (or :func:`jaxpar.save_checkpoint`) saved at ``step``
+    (default: the newest), as saved: a dict with ``params``, ``rest`` and ``opt_state``, each
+    array on the layout it was saved with (when those devices exist here, else on one device).
+    With ``target`` (a matching pytree of arrays) the arrays come back with its shardings."""
+    import jax.numpy as jnp
 
-    manager = ocp.CheckpointManager(os.path.abspath(path))
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise ContextError(f"jaxpar.load_checkpoint: no checkpoint under {path}.")
-    args = ocp.args.StandardRestore(target) if target is not None else ocp.args.StandardRestore()
-    return manager.restore(step, args=args)
+    from jaxpar._src.checkpoint import store
+    from jaxpar._src.checkpoint.load import load_distributed_checkpoint
+
+    where = "jaxpar.load_checkpoint"
+    if target is not None:
+        return load_distributed_checkpoint(target, path, step=step)
+    saved = store.read(store.locate(path, step, where=where), where=where)
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    mesh = None
+    if saved.strategy is not None and saved.strategy.mesh.num_devices <= jax.device_count():
+        mesh = saved.strategy.device_mesh()
+    wants = {}
+    for name, (shape, dtype) in saved.arrays.items():
+        s = sharding
+        if mesh is not None and name in saved.strategy.arrays:
+            s = jax.sharding.NamedSharding(mesh, saved.strategy[name])
+        wants[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=s)
+    return store.restore_tree(saved, wants, where=where)

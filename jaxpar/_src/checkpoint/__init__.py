@@ -1,0 +1,2 @@
+"""Distributed checkpoints and inference: sharded saves with their strategy, loads and offline
+transforms onto other layouts (orbax underneath)."""
