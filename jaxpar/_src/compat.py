@@ -113,3 +113,11 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def name_stack(eqn: jcore.JaxprEqn) -> str:
+    """The ``jax.named_scope`` path an equation was traced under, e.g. ``"jvp(block)"``."""
+    try:
+        return str(eqn.source_info.name_stack)
+    except AttributeError:  # pragma: no cover - a JAX without name stacks
+        return ""
