@@ -11,8 +11,8 @@ context), jaxpar gathers the strategies of the whole program, in this order:
 2. ``in_strategy``, ``parameter_plan``, ``out_strategy`` and a tuple ``dataset_strategy`` of the
    ``parallelize`` call, one device matrix per tensor.
 
-A ``jaxpar.Layout`` among them is a mesh already: every Layout must have the same device matrix,
-and every slice count must fit on it.  Otherwise the mesh is built by
+A ``jaxpar.Layout`` among them, or the ``mesh=`` of a nested shard, is a mesh already: all of
+them must be the same mesh, and every slice count must fit on it.  Otherwise the mesh is built by
 :func:`jaxpar._src.device_matrix.mesh_axes_for`.  Strategies that cannot share one mesh raise a
 :class:`MeshError` naming both.  PartitionSpecs name the axes of a mesh and give none.
 """
@@ -43,7 +43,15 @@ class LayoutUse:
     where: str
 
 
-Found = Request | LayoutUse
+@dataclasses.dataclass(frozen=True)
+class MeshUse:
+    """The mesh a nested ``jaxpar.shard(..., mesh=...)`` was given, and who gave it."""
+
+    mesh: Mesh
+    where: str
+
+
+Found = Request | LayoutUse | MeshUse
 
 
 def strategy_requests(strategy: Any, where: str) -> list[Found]:
@@ -85,27 +93,25 @@ def discover(fn: Any, args: Sequence[Any], static_argnums: Sequence[int]) -> lis
 
 def implicit_mesh(found: Sequence[Found], num_devices: int) -> Mesh | None:
     """The mesh that hosts every strategy found, or ``None`` when none gives a device matrix."""
-    layouts = [f for f in found if isinstance(f, LayoutUse)]
+    given = [(f.where, f.layout.mesh()) if isinstance(f, LayoutUse) else (f.where, f.mesh)
+             for f in found if isinstance(f, (LayoutUse, MeshUse))]
     requests = [f for f in found if isinstance(f, Request)]
-    if layouts:
-        first = layouts[0]
-        key = _layout_key(first.layout)
-        for other in layouts[1:]:
-            if _layout_key(other.layout) != key:
+    if given:
+        (where, mesh), key = given[0], _mesh_key(given[0][1])
+        for other_where, other in given[1:]:
+            if _mesh_key(other) != key:
                 raise MeshError(
-                    f"{first.where} and {other.where} cannot share one mesh: their Layouts "
-                    f"have device matrices {first.layout.device_matrix} {first.layout.alias_name}"
-                    f" and {other.layout.device_matrix} {other.layout.alias_name}. Build every "
-                    f"Layout of a program from one Layout(device_matrix, alias_name).")
-        mesh = first.layout.mesh()
+                    f"{where} and {other_where} cannot share one mesh: they give the meshes "
+                    f"{MeshShape.of(mesh)} and {MeshShape.of(other)} (or other device orders). "
+                    f"Build every Layout of a program from one Layout(device_matrix, "
+                    f"alias_name), and give shards one mesh.")
         shape = MeshShape.of(mesh)
         for req in requests:
             if lay_counts(req.counts, shape) is None:
                 raise MeshError(
-                    f"{req.describe()} cannot be laid on the mesh {shape} of the Layout given "
-                    f"by {first.where}: each slice count must be the size of a run of its axes. "
-                    f"Give it as a Layout too, or with counts that match the device matrix "
-                    f"{first.layout.device_matrix}.")
+                    f"{req.describe()} cannot be laid on the mesh {shape} given by {where}: "
+                    f"each slice count must be the size of a run of its axes. Give it as a "
+                    f"Layout too, or with counts that match the device matrix {shape.sizes}.")
         return mesh
     if not requests:
         return None
@@ -113,8 +119,8 @@ def implicit_mesh(found: Sequence[Found], num_devices: int) -> Mesh | None:
     return make_mesh(sizes, names)
 
 
-def _layout_key(layout: Layout) -> tuple:
-    return layout.device_matrix, layout.alias_name, layout.rank_list
+def _mesh_key(mesh: Mesh) -> tuple:
+    return MeshShape.of(mesh), tuple(d.id for d in mesh.devices.flat)
 
 
 def _abstract(x: Any) -> Any:

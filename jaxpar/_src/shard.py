@@ -35,7 +35,7 @@ from jaxpar._src.api import Parallelized, parallelize
 from jaxpar._src.compat import is_tracer
 from jaxpar._src.context import current_context
 from jaxpar._src.errors import MeshError
-from jaxpar._src.implicit_mesh import Found, implicit_mesh, strategy_requests
+from jaxpar._src.implicit_mesh import Found, MeshUse, implicit_mesh, strategy_requests
 from jaxpar._src.modules import get_value, module_of, module_params, set_value
 from jaxpar._src.operator_shard import (
     OPERATOR_SCOPE,
@@ -210,6 +210,8 @@ class Sharded:
         from jaxpar._src.device_matrix import Request
 
         found: list[Found] = []
+        if self._mesh is not None:
+            found.append(MeshUse(self._mesh, f"{self._api}: mesh="))
         matrix = None
         if op is not None and all(is_slice_counts(r) for r in raw):
             where = f"{self._api}: operator {op.name}"
