@@ -17,9 +17,14 @@ from jaxpar._src.strategy import assign_axes, mesh_for_slice_counts, normalize
         (((2, 4), ("dp", "mp")), (4, 2), (("mp",), ("dp",))),
         (((2, 4), ("dp", "mp")), (8, 1), (("dp", "mp"), ())),
         (((2, 4), ("dp", "mp")), (2, 4), (("dp",), ("mp",))),
-        (((2, 2, 2), ("a", "b", "c")), (2, 2), (("b",), ("c",))),  # replicas on the outer axis
+        # MindSpore appends the copies as the last (innermost) device-matrix axis
+        # (ops_info/operator_info.cc, SetRepeatedCalcDevMatrix): the slices take the outer axes
+        (((2, 2, 2), ("a", "b", "c")), (2, 2), (("a",), ("b",))),
+        (((2, 2, 2), ("a", "b", "c")), (2, 1), (("a",), ())),
         (((2, 2, 2), ("a", "b", "c")), (2, 4), (("a",), ("b", "c"))),
-        (((2, 2, 2), ("a", "b", "c")), (1, 1, 2), ((), (), ("c",))),
+        (((2, 2, 2), ("a", "b", "c")), (4, 2), (("a", "b"), ("c",))),
+        (((2, 2, 2), ("a", "b", "c")), (1, 1, 2), ((), (), ("a",))),
+        (((2, 2, 4), ("a", "b", "c")), (4, 1), (("a", "b"), ())),  # a run before a lone axis
         (((3, 4), ("x", "y")), (3, 4), (("x",), ("y",))),  # not only powers of two
         (((2, 4), ("dp", "mp")), (2, 2), None),
     ],
@@ -42,9 +47,17 @@ def test_mesh_built_from_slice_counts_matches_mindspore_device_matrix():
     mesh = mesh_for_slice_counts([(2, 1), (1, 4)], 8, where="t")
     assert dict(mesh.shape) == {"a0": 2, "a1": 4}
     mesh = mesh_for_slice_counts([(2, 1)], 8, where="t")
-    assert dict(mesh.shape) == {"rep": 4, "a0": 2}  # repeated copies outermost
+    assert dict(mesh.shape) == {"a0": 2, "rep": 4}  # copies innermost, as MindSpore 2.x
+    # ((2, 4), (4, 1)): the device matrix [2, 4] of the first; the second fits on it
     mesh = mesh_for_slice_counts([(2, 4), (4, 1)], 8, where="t")
+    assert dict(mesh.shape) == {"a0": 2, "a1": 4}
+    # (1, 4) then (2, 1): the second fits on the first's device matrix [4, 2(copies)]
+    mesh = mesh_for_slice_counts([(1, 4), (2, 1)], 8, where="t")
     assert dict(mesh.shape) == {"a0": 4, "a1": 2}
+    # (1, 4) then (2, 2): the second needs a cut of its own; both land where their device
+    # matrices [4, 2(copies)] and [2, 2, 2(copies)] put them
+    mesh = mesh_for_slice_counts([(1, 4), (2, 2)], 8, where="t")
+    assert dict(mesh.shape) == {"a0": 2, "a1": 2, "rep": 2}
     with pytest.raises(jaxpar.MeshError, match="does not divide"):
         mesh_for_slice_counts([(3, 1)], 8, where="t")
 

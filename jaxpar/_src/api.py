@@ -31,9 +31,10 @@ from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile
-from jaxpar._src.layout import Layout
+from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
+from jaxpar._src.operator_shard import operator_pins
 from jaxpar._src.plan import ShardingPlan, make_plan
 from jaxpar._src.planner import decide, load_strategies
 from jaxpar._src.report.context import remember
@@ -41,7 +42,6 @@ from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 from jaxpar._src.state import state_ties
-from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
 from jaxpar._src.trace import TracedProgram, trace
 from jaxpar._src.tracing_state import tracing_with
 
@@ -98,6 +98,7 @@ class Parallelized:
         self._api = f"{api}({getattr(fn, '__name__', 'fn')})"
         self._signature = _signature(fn)
         self._cache: dict[Any, Compiled] = {}
+        self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
         if mesh is not None:
             check_auto_axes(mesh, self._api)
 
@@ -105,12 +106,7 @@ class Parallelized:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = self._bind(args, kwargs)
         entry = self._compiled(args)
-        dyn = [a for i, a in enumerate(args) if i not in self._static]
-        leaves, tree = jax.tree.flatten(dyn)
-        placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
-        dyn = jax.tree.unflatten(tree, placed)
-        it = iter(dyn)
-        full = [a if i in self._static else next(it) for i, a in enumerate(args)]
+        full = self._placed(args, entry)
         if pynative():  # eager, op by op, on the arguments placed as the plan says
             with jax.disable_jit():
                 return self._fn(*full)
@@ -121,7 +117,7 @@ class Parallelized:
         args = self._bind(args, kwargs)
         entry = self._compiled(args)
         with paused_gc():
-            return entry.jitted.lower(*args)
+            return entry.jitted.lower(*self._placed(args, entry))
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
@@ -145,6 +141,15 @@ class Parallelized:
         return self._compiled(self._bind(args, kwargs))
 
     # -- internals ----------------------------------------------------------------------------
+    def _placed(self, args: tuple, entry: Compiled) -> list:
+        """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
+        e.g. batches on another mesh, are resharded)."""
+        dyn = [a for i, a in enumerate(args) if i not in self._static]
+        leaves, tree = jax.tree.flatten(dyn)
+        placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
+        it = iter(jax.tree.unflatten(tree, placed))
+        return [a if i in self._static else next(it) for i, a in enumerate(args)]
+
     def _bind(self, args: tuple, kwargs: dict) -> tuple:
         if not kwargs:
             return args
@@ -156,7 +161,7 @@ class Parallelized:
                             f"supported; make them positional.")
         return tuple(bound.args)
 
-    def _settings(self) -> Settings:
+    def _settings(self, args: tuple) -> Settings:
         ctx = current_context()
         mode = self._mode if self._mode is not None else ctx.parallel_mode
         search = self._search_mode or ctx.search_mode
@@ -164,7 +169,7 @@ class Parallelized:
         if mode is ParallelMode.STAND_ALONE:
             mesh = single_device_mesh()
         else:
-            mesh = self._mesh or ctx.mesh or self._strategy_mesh(ctx.device_num)
+            mesh = self._mesh or ctx.mesh or self._strategy_mesh(ctx, mode, args)
             if mesh is None:
                 n = ctx.device_num or len(jax.devices())
                 mesh = make_mesh((n,), ("devices",))
@@ -179,24 +184,22 @@ class Parallelized:
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
                         ctx.dataset_strategy)
 
-    def _strategy_mesh(self, device_num: int | None) -> Mesh | None:
-        """A mesh from Layout or slice-count strategies when none is given."""
-        leaves = []
-        for tree in (self._in_strategy, self._out_strategy):
-            if tree is not None:
-                leaves += jax.tree.leaves(tree, is_leaf=is_strategy_leaf)
-        leaves += list((self._parameter_plan or {}).values())
-        layouts = [x for x in leaves if isinstance(x, Layout)]
-        if layouts:
-            return layouts[0].mesh()
-        counts = [x for x in leaves if is_slice_counts(x)]
-        if counts:
-            n = device_num or len(jax.devices())
-            return mesh_for_slice_counts(counts, n, where=self._api)
-        return None
+    def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
+        """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
+        program, the nested ``jaxpar.shard``s first (see ``implicit_mesh.py``)."""
+        n = ctx.device_num or len(jax.devices())
+        key = (_signature_key(args, self._static), n, mode, ctx.dataset_strategy)
+        if key not in self._implicit:
+            found = outer_requests(in_strategy=self._in_strategy, out_strategy=self._out_strategy,
+                                   parameter_plan=self._parameter_plan,
+                                   dataset_strategy=ctx.dataset_strategy, api=self._api)
+            if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+                found = discover(self._fn, args, self._static) + found
+            self._implicit[key] = implicit_mesh(found, n)
+        return self._implicit[key]
 
     def _compiled(self, args: tuple) -> Compiled:
-        settings = self._settings()
+        settings = self._settings(args)
         key = (_signature_key(args, self._static), settings)
         entry = self._cache.get(key)
         if entry is None:
@@ -314,7 +317,28 @@ class Parallelized:
             if spec is not None:
                 pins.append(self._pin(space, nid, "in", spec, "out_strategy"))
         pins.extend(_constraint_pins(space, mshape, self._api))
+        pins.extend(operator_pins(space, mshape))
+        if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
+                settings.dataset_strategy == "data_parallel":
+            pins = self._data_parallel_default(args, program, space, in_shapes)
         return pins
+
+    def _data_parallel_default(self, args: tuple, program: TracedProgram, space: SearchSpace,
+                               in_shapes: list) -> list[Pin]:
+        """MindSpore's semi-automatic default where nothing is configured: the batch arrives
+        split over every device (``dataset_strategy="data_parallel"``); the rest propagates."""
+        try:
+            batch = self._batch(args, program, self._arg_names(len(args)))
+        except PlanError as e:
+            raise PlanError(
+                f"{self._api}: semi_auto_parallel needs at least one fixed strategy to "
+                f"propagate from, and none is given. Like MindSpore it then splits the batch "
+                f"over every device (dataset_strategy='data_parallel'), but: {e} Or give a "
+                f"strategy (in_strategy, jaxpar.shard).") from None
+        specs = batch_specs(program, batch, space.model.mesh, in_shapes, api=self._api)
+        return [self._pin(space, nid, "out", spec, "data_parallel")
+                for nid, spec in zip(program.graph.inputs, specs, strict=True)
+                if not spec.is_replicated]
 
     def _pin(self, space: SearchSpace, nid: int, side: str, spec: Spec, origin: str) -> Pin:
         strategy = strategy_for_specs(space.rule(nid), {(side, 0): spec}, space.model.mesh)
@@ -382,8 +406,7 @@ def _constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]
             continue
         sharding = node.eqn.params["sharding"]
         smesh = getattr(sharding, "mesh", None)
-        if smesh is None or tuple(smesh.axis_names) != mesh.names or \
-                tuple(smesh.devices.shape) != mesh.sizes:
+        if smesh is None or MeshShape.of(smesh) != mesh:
             raise StrategyError(
                 f"{api}: the sharding constraint at {node.source} uses mesh "
                 f"{MeshShape.of(smesh) if smesh is not None else sharding}, but the program runs "
@@ -473,9 +496,12 @@ def parallelize(
     Args:
       fn: the function, written for one device.
       mesh: the device mesh (see :func:`jaxpar.make_mesh`); default: the context's ``mesh``, else
-        one derived from slice-count strategies, else a 1-D mesh ``("devices",)``.
+        MindSpore's device matrix of the program's strategies (the nested ``jaxpar.shard`` s
+        first, then these arguments'; see ``implicit_mesh.py``), else a 1-D mesh
+        ``("devices",)`` of ``device_num`` devices.
       parallel_mode: ``"stand_alone"``, ``"data_parallel"``, ``"semi_auto_parallel"`` or
-        ``"auto_parallel"``; default: the context's.
+        ``"auto_parallel"``; default: the context's.  ``semi_auto_parallel`` with no strategy
+        at all splits the batch over every device (MindSpore's default) and propagates.
       search_mode: the search of ``auto_parallel``; default: the context's.
       in_strategy: one strategy per positional argument (a slice-count tuple, ``PartitionSpec``,
         ``jaxpar.Layout`` or ``None`` = free), or a tree of them matching the argument.

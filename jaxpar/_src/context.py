@@ -52,7 +52,8 @@ class ParallelContext:
     strategy_ckpt_save_file: str = ""  # write the plan (JSON) here after planning
     strategy_ckpt_load_file: str = ""  # read the plan from here instead of searching
     # How batches reach the devices: "data_parallel" (split), "full_batch" (whole on every
-    # device), or per batch input a tuple of slice counts (e.g. ((1, 2, 4, 1),): H and W split).
+    # device), or per batch input a tuple of slice counts (e.g. ((1, 2, 4, 1),): H and W split)
+    # or a jaxpar.Layout called on the input's dimensions.
     dataset_strategy: str | tuple = "data_parallel"
     all_reduce_fusion_config: tuple[int, ...] | None = None  # gradient index split points
     comm_fusion: CommFusion | None = None  # per collective kind: "auto" | "size" | "index"
@@ -240,15 +241,28 @@ def algo_parameters() -> AlgoParameters:
 
 
 def check_dataset_strategy(value: Any) -> str | tuple:
-    """``"data_parallel"``, ``"full_batch"``, or a tuple of slice-count tuples (one per batch
-    input, as MindSpore's ``dataset_strategy``); returned in that normal form."""
+    """``"data_parallel"``, ``"full_batch"``, or a tuple with one layout per batch input, each a
+    tuple of slice counts or a ``jaxpar.Layout`` called on the input's dimensions (MindSpore's
+    ``dataset_strategy=(layout("dp", "mp"), ...)``); returned in that normal form."""
+    from jaxpar._src.layout import Layout
+
     if value in ("data_parallel", "full_batch"):
         return value
-    if isinstance(value, (tuple, list)) and value and all(
-            isinstance(s, (tuple, list)) and s and all(isinstance(n, int) and n >= 1 for n in s)
-            for s in value):
-        return tuple(tuple(s) for s in value)
+
+    def entry(s: Any) -> Any:
+        if isinstance(s, Layout) and s.tensor_map is not None:
+            return s
+        if isinstance(s, (tuple, list)) and s and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in s):
+            return tuple(s)
+        return None
+
+    if isinstance(value, (tuple, list)) and value:
+        entries = [entry(s) for s in value]
+        if all(e is not None for e in entries):
+            return tuple(entries)
     raise ContextError(
-        f"jaxpar: dataset_strategy must be 'data_parallel', 'full_batch', or one tuple of "
-        f"slice counts per batch input such as ((8, 1),) or ((1, 2, 4, 1), (8,)); got "
-        f"{value!r}.")
+        f"jaxpar: dataset_strategy must be 'data_parallel', 'full_batch', or one layout per "
+        f"batch input: slice counts such as ((8, 1),) or ((1, 2, 4, 1), (8,)), or Layouts "
+        f"such as (layout('dp', 'mp'), layout('dp')) with layout = jaxpar.Layout((2, 4), "
+        f"('dp', 'mp')); got {value!r}.")

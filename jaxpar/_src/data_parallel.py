@@ -62,8 +62,8 @@ def batch_specs(program: TracedProgram, batch: Sequence[int], mesh: MeshShape,
 def dataset_specs(program: TracedProgram, batch: Sequence[int], strategy: tuple,
                   mesh: Any, in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any], *,
                   api: str) -> list[Spec | None]:
-    """Layouts of the batch arrays from a tuple ``dataset_strategy`` (one slice-count tuple per
-    batch array, in argument order); ``None`` for every other leaf."""
+    """Layouts of the batch arrays from a tuple ``dataset_strategy`` (one slice-count tuple or
+    ``jaxpar.Layout`` per batch array, in argument order); ``None`` for every other leaf."""
     from jaxpar._src.strategy import normalize
 
     slots = [k for k, arg in enumerate(program.arg_index) if arg in batch]
@@ -75,7 +75,7 @@ def dataset_specs(program: TracedProgram, batch: Sequence[int], strategy: tuple,
             f"batch array, e.g. dataset_strategy=({', '.join('(8, 1)' for _ in slots)}).")
     out: list[Spec | None] = [None] * len(in_shapes)
     for k, counts in zip(slots, strategy, strict=True):
-        out[k] = normalize(tuple(counts), in_shapes[k], mesh, dtype=in_dtypes[k],
+        out[k] = normalize(counts, in_shapes[k], mesh, dtype=in_dtypes[k],
                            where=f"{api}: dataset_strategy for '{program.in_paths[k]}'")
     return out
 

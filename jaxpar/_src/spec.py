@@ -29,7 +29,8 @@ class MeshShape:
 
     @classmethod
     def of(cls, mesh: Mesh) -> MeshShape:
-        return cls(tuple(mesh.axis_names), tuple(int(s) for s in mesh.devices.shape))
+        """Names and sizes of a ``Mesh`` or a device-free ``AbstractMesh``."""
+        return cls(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes))
 
     def size(self, axis: str) -> int:
         return self.sizes[self.names.index(axis)]

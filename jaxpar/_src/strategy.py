@@ -7,19 +7,24 @@ Accepted forms, wherever jaxpar takes a strategy for a tensor:
 * a ``jax.sharding.PartitionSpec`` over the mesh's axis names (or a ``NamedSharding``);
 * a :class:`jaxpar.Layout` called with one entry per dimension.
 
-**The slice-count rule.**  Dimensions are taken from the last to the first.  Each count ``c > 1``
-takes, among the mesh axes this tensor does not use yet, the innermost single axis of size ``c``;
-failing that, the innermost run of adjacent axes whose sizes multiply to ``c`` (split major to
-minor); failing that, it is an error.  Axes left over replicate the tensor; as in MindSpore, the
-repeated copies sit on the outermost axes.  On mesh ``(dp=2, mp=4)``: ``(2, 1)`` is
-``P('dp', None)``, ``(1, 4)`` is ``P(None, 'mp')``, ``(4, 2)`` is ``P('mp', 'dp')`` and ``(8, 1)``
-is ``P(('dp', 'mp'), None)``.
+**The slice-count rule** follows MindSpore's device matrix (see ``device_matrix.py``): a
+strategy's counts, first to last, are the axes of its device matrix from the outermost in, and
+the copies, when the strategy uses fewer devices than the mesh has, sit innermost (MindSpore
+appends the repeat count as the last device-matrix axis).  On a mesh, each count ``c > 1`` takes
+the outermost run of adjacent mesh axes, not used yet by this tensor, whose sizes multiply to
+``c``; failing that, it is an error.  On mesh ``(dp=2, mp=4)``: ``(2, 1)`` is ``P('dp', None)``,
+``(1, 4)`` is ``P(None, 'mp')``, ``(4, 2)`` is ``P('mp', 'dp')`` and ``(8, 1)`` is
+``P(('dp', 'mp'), None)``; on ``(a=2, b=2, c=2)``, ``(2, 1)`` is ``P('a')`` (the copies on
+``b`` and ``c``, neighbouring devices).  A ``jaxpar.shard`` around a single operator lays the
+operator's own device matrix instead (a MatMul's ``[i, k, j]``), so all its tensors agree.
 
-**Without a mesh**, :func:`mesh_for_slice_counts` builds one from the strategies: reading them in
-order, each count that the axes created so far cannot form (by the rule above) becomes a new
-axis, placed inside the earlier ones; devices left over form an outermost replica axis.  For
-``in_strategy=((2, 1), (1, 4))`` on 8 devices this is the mesh ``(a0=2, a1=4)``, the device
-matrix MindSpore derives for the same MatMul strategy.
+**Without a mesh**, jaxpar builds one from the strategies (:func:`mesh_for_slice_counts` for a
+list of tensor strategies, ``implicit_mesh.py`` for a whole program): the first strategy's device
+matrix, refined where a later one needs cuts of its own, so that every strategy lands where its
+MindSpore device matrix puts it.  ``shard(matmul, in_strategy=((2, 4), (4, 1)))`` on 8 devices
+runs on the mesh ``(a0=2, a1=4)``, MindSpore's device matrix ``[2, 4, 1]``: device 1 holds
+``x[0:8, 16:32]`` of a ``16 x 64`` ``x`` and the partial sums are all-reduced within ``{0-3}`` and
+``{4-7}``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar._src.errors import MeshError, StrategyError
+from jaxpar._src.device_matrix import Request, lay_counts, mesh_axes_for
+from jaxpar._src.errors import StrategyError
 from jaxpar._src.layout import Layout
 from jaxpar._src.mesh import make_mesh
 from jaxpar._src.spec import MeshShape, Spec
@@ -93,8 +99,7 @@ def normalize(
     mshape = MeshShape.of(mesh)
     mesh_str = str(mshape)
     if isinstance(strategy, NamedSharding):
-        if tuple(strategy.mesh.axis_names) != mshape.names or \
-                tuple(strategy.mesh.devices.shape) != mshape.sizes:
+        if MeshShape.of(strategy.mesh) != mshape:
             raise StrategyError(
                 f"{where}: the NamedSharding is on mesh "
                 f"{MeshShape.of(strategy.mesh)} but this program runs on mesh {mesh_str}. "
@@ -198,79 +203,21 @@ def assign_axes(counts: Sequence[int], mesh: MeshShape) -> tuple[tuple[str, ...]
     (('mp',), ('dp',))
     >>> assign_axes((1, 8), MeshShape(("dp", "mp"), (2, 4)))
     ((), ('dp', 'mp'))
+    >>> assign_axes((2, 1), MeshShape(("a", "b", "c"), (2, 2, 2)))
+    (('a',), ())
     """
-    used: set[str] = set()
-    dims: list[tuple[str, ...]] = [()] * len(counts)
-    for dim in reversed(range(len(counts))):
-        c = counts[dim]
-        if c == 1:
-            continue
-        run = _find_run(c, mesh, used)
-        if run is None:
-            return None
-        used.update(run)
-        dims[dim] = run
-    return tuple(dims)
-
-
-def _find_run(count: int, mesh: MeshShape, used: set[str]) -> tuple[str, ...] | None:
-    n = len(mesh.names)
-    for i in reversed(range(n)):  # innermost single axis first
-        if mesh.names[i] not in used and mesh.sizes[i] == count:
-            return (mesh.names[i],)
-    for length in range(2, n + 1):  # then the innermost run of adjacent axes
-        for start in reversed(range(n - length + 1)):
-            names = mesh.names[start:start + length]
-            if any(a in used for a in names):
-                continue
-            if math.prod(mesh.sizes[start:start + length]) == count:
-                return tuple(names)
-    return None
+    return lay_counts(counts, mesh)
 
 
 def mesh_for_slice_counts(
     strategies: Sequence[tuple[int, ...]], num_devices: int, *, where: str
 ) -> Mesh:
-    """The mesh jaxpar builds when slice counts are given and no mesh is (module docstring).
+    """The mesh jaxpar builds for tensor strategies when no mesh is given (module docstring).
 
     >>> mesh = mesh_for_slice_counts([(2, 1), (1, 4)], 8, where="example")
     >>> dict(mesh.shape)
     {'a0': 2, 'a1': 4}
     """
-    sizes: list[int] = []
-    for counts in strategies:
-        # Reuse the rule itself: grow the mesh until this tensor's counts can be laid out.
-        while True:
-            names = tuple(f"a{i}" for i in range(len(sizes)))
-            probe = MeshShape(names, tuple(sizes))
-            missing = _first_unplaceable(counts, probe)
-            if missing is None:
-                break
-            sizes.append(missing)
-    used = math.prod(sizes) if sizes else 1
-    if used > num_devices or num_devices % used:
-        raise MeshError(
-            f"{where}: the slice counts {list(strategies)} need a device matrix of "
-            f"{used} devices ({' x '.join(map(str, sizes))}), which does not divide the "
-            f"{num_devices} devices available. Give a mesh explicitly (mesh=jaxpar.make_mesh(...) "
-            f"or set_auto_parallel_context(mesh=...)).")
-    names = [f"a{i}" for i in range(len(sizes))]
-    if used < num_devices:
-        sizes.insert(0, num_devices // used)
-        names.insert(0, "rep")
-    if not sizes:
-        sizes, names = [num_devices], ["a0"]
-    return make_mesh(tuple(sizes), tuple(names))
-
-
-def _first_unplaceable(counts: Sequence[int], mesh: MeshShape) -> int | None:
-    used: set[str] = set()
-    for dim in reversed(range(len(counts))):
-        c = counts[dim]
-        if c == 1:
-            continue
-        run = _find_run(c, mesh, used)
-        if run is None:
-            return c
-        used.update(run)
-    return None
+    requests = [Request(tuple(c), f"{where}: tensor {i}") for i, c in enumerate(strategies)]
+    sizes, names = mesh_axes_for(requests, num_devices)
+    return make_mesh(sizes, names)

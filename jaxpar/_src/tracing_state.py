@@ -1,12 +1,21 @@
-"""What a function being traced by ``parallelize`` can ask about its surroundings."""
+"""What a function being traced by ``parallelize`` can ask about its surroundings.
+
+While ``parallelize`` traces, JAX's own abstract mesh is set to the program's mesh: JAX keys its
+trace caches (nested ``jax.jit``) on it, so a body traced for one mesh is never reused on
+another, and ``jaxpar.shard`` writes its sharding constraints on that abstract mesh (names and
+sizes, no devices), resolved when the program is lowered.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 _state = threading.local()
 
@@ -24,7 +33,39 @@ def tracing_with(mesh: Mesh) -> Iterator[None]:
         stack = _state.meshes = []
     stack.append(mesh)
     try:
-        yield
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    finally:
+        stack.pop()
+
+
+def recorder() -> list[Any] | None:
+    """The list a discovery trace (:func:`discovering`) collects strategies into, if any."""
+    stack = getattr(_state, "recorders", None)
+    return stack[-1] if stack else None
+
+
+_discovery_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def discovering() -> Iterator[list[Any]]:
+    """A trace that only collects the strategies of the ``jaxpar.shard`` calls it meets.
+
+    Its abstract mesh is a fresh one-device mesh, so JAX's trace caches neither serve this trace
+    from an earlier one (whose shards would go unseen) nor keep its constraint-free bodies for a
+    later one.
+    """
+    stack = getattr(_state, "recorders", None)
+    if stack is None:
+        stack = _state.recorders = []
+    found: list[Any] = []
+    stack.append(found)
+    fresh = AbstractMesh((1,), (f"jaxpar_discovery_{next(_discovery_ids)}",),
+                         axis_types=(AxisType.Auto,))
+    try:
+        with jax.sharding.use_abstract_mesh(fresh):
+            yield found
     finally:
         stack.pop()
 

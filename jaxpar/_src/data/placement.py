@@ -2,8 +2,11 @@
 
 * ``"data_parallel"``: dimension 0 split over every mesh axis (each device its rows);
 * ``"full_batch"``: every device holds the whole batch;
-* a tuple of slice-count tuples, one per column: those dimensions split (e.g. height and width
-  of large images, ``((1, 2, 4, 1),)`` on 8 devices), by jaxpar's slice-count rule.
+* a tuple with one layout per column: slice counts, those dimensions split (e.g. height and
+  width of large images, ``((1, 2, 4, 1),)`` on 8 devices, by jaxpar's slice-count rule), or a
+  ``jaxpar.Layout`` called on the column's dimensions (MindSpore's
+  ``dataset_strategy=(layout("dp", "mp"),)``).  Without a mesh the batch goes on the mesh these
+  layouts describe (a Layout's own, or MindSpore's device matrix of the slice counts).
 
 In one process the batch is placed with ``jax.device_put``.  Across processes each process
 passes what it read: its shard of the rows when its dataset is sharded
@@ -33,13 +36,22 @@ from jaxpar._src.errors import DatasetError, StrategyError
 from jaxpar._src.mesh import make_mesh
 
 
-def _mesh(mesh: Mesh | None) -> Mesh:
+def _mesh(mesh: Mesh | None, strategy: Any = None) -> Mesh:
     if mesh is not None:
         return mesh
     ctx = current_context()
     if ctx.mesh is not None:
         return ctx.mesh
-    return make_mesh((ctx.device_num or len(jax.devices()),), ("devices",))
+    n = ctx.device_num or len(jax.devices())
+    if isinstance(strategy, tuple):
+        from jaxpar._src.implicit_mesh import implicit_mesh, strategy_requests
+
+        found = [r for i, e in enumerate(strategy)
+                 for r in strategy_requests(e, f"dataset_strategy[{i}]")]
+        implicit = implicit_mesh(found, n)
+        if implicit is not None:
+            return implicit
+    return make_mesh((n,), ("devices",))
 
 
 def column_sharding(shape: Sequence[int], mesh: Mesh, strategy: Any, column: int,
@@ -63,8 +75,9 @@ def column_sharding(shape: Sequence[int], mesh: Mesh, strategy: Any, column: int
     if column >= len(strategy):
         raise StrategyError(
             f"dataset_strategy {strategy!r} gives {len(strategy)} layouts, but the batch has at "
-            f"least {column + 1} columns: give one slice-count tuple per column.")
-    spec = normalize(tuple(strategy[column]), shape, mesh,
+            f"least {column + 1} columns: give one layout (slice counts or a Layout) per "
+            f"column.")
+    spec = normalize(strategy[column], shape, mesh,
                      where=f"dataset_strategy for batch column {column}")
     return NamedSharding(mesh, spec.to_partition_spec() if spec is not None else P())
 
@@ -80,9 +93,9 @@ def to_global(batch: Any, mesh: Mesh | None = None, *, strategy: Any = None,
       sharded: across processes, whether each process holds only its own rows (its dataset was
         built with ``num_shards``/``shard_id``) rather than the whole batch.
     """
-    mesh = _mesh(mesh)
     strategy = check_dataset_strategy(
         strategy if strategy is not None else current_context().dataset_strategy)
+    mesh = _mesh(mesh, strategy)
     single = not isinstance(batch, (tuple, list))
     columns = (batch,) if single else tuple(batch)
     processes = jax.process_count()
@@ -118,9 +131,9 @@ def process_shard(mesh: Mesh | None = None, *, strategy: Any = None) -> dict[str
     >>> ds.process_shard()
     {'num_shards': None, 'shard_id': None}
     """
-    mesh = _mesh(mesh)
     strategy = check_dataset_strategy(
         strategy if strategy is not None else current_context().dataset_strategy)
+    mesh = _mesh(mesh, strategy)
     if jax.process_count() == 1 or strategy != "data_parallel":
         return {"num_shards": None, "shard_id": None}
     n = int(mesh.devices.size)

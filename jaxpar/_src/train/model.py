@@ -95,6 +95,7 @@ class Model:
 
     # -- training -----------------------------------------------------------------------------
     def train(self, epoch: int, train_dataset: Iterable, callbacks: Sequence[Callback] = (),
+              dataset_sink_mode: bool = False, sink_size: int = -1,
               progress: bool | None = None) -> None:
         """Trains for ``epoch`` passes over ``train_dataset``.
 
@@ -102,8 +103,21 @@ class Model:
           epoch: number of epochs.
           train_dataset: a ``jaxpar.dataset`` dataset or an iterable of batch tuples.
           callbacks: e.g. ``[jaxpar.LossMonitor(10), jaxpar.ModelCheckpoint(...)]``.
+          dataset_sink_mode: MindSpore's switch for feeding batches through a device-side queue.
+            Accepted so MindSpore scripts run unchanged; the steps are the same either way:
+            every step is one compiled program whose batch is placed on the devices by
+            ``dataset_strategy``, and XLA's asynchronous dispatch already overlaps the next
+            batch's transfer with the running step.
+          sink_size: with ``dataset_sink_mode``, the steps per epoch (MindSpore's meaning: the
+            data is read on across epochs, from where the last one stopped, starting over at
+            its end); ``-1``: one pass over the dataset per epoch.
           progress: a progress bar (rank 0); default: for runs of 200 steps or more.
         """
+        if not isinstance(sink_size, int) or sink_size == 0 or sink_size < -1:
+            raise ContextError(f"jaxpar.Model.train: sink_size must be -1 or a positive int, "
+                               f"got {sink_size!r}.")
+        if dataset_sink_mode and sink_size > 0:
+            train_dataset = _SinkEpochs(self._batches, train_dataset, sink_size)
         if self.loss_fn is None or self.optimizer is None:
             raise ContextError("jaxpar.Model.train needs loss_fn and optimizer.")
         if not isinstance(epoch, int) or epoch < 1:
@@ -131,7 +145,9 @@ class Model:
                 cb.cur_epoch_num = e
                 for c in callbacks:
                     c.on_train_epoch_begin(run)
-                for batch in self._batches(train_dataset):
+                batches = train_dataset.epoch() if isinstance(train_dataset, _SinkEpochs) \
+                    else self._batches(train_dataset)
+                for batch in batches:
                     for c in callbacks:
                         c.on_train_step_begin(run)
                     step = self._train_step(state, batch)
@@ -215,8 +231,12 @@ class Model:
         return self._train_step(state, placed).lower(state, *placed)
 
     # -- evaluation ---------------------------------------------------------------------------
-    def eval(self, valid_dataset: Iterable) -> dict[str, float]:
-        """The metrics (and the loss, when there is a ``loss_fn``) over ``valid_dataset``."""
+    def eval(self, valid_dataset: Iterable, callbacks: Sequence[Callback] = (),
+             dataset_sink_mode: bool = False) -> dict[str, float]:
+        """The metrics (and the loss, when there is a ``loss_fn``) over ``valid_dataset``.
+
+        ``callbacks`` and ``dataset_sink_mode`` are MindSpore's arguments, accepted so its
+        scripts run; evaluation calls no callbacks and feeds batches as :meth:`train` does."""
         for m in self.metrics.values():
             m.clear()
         loss_metric = metric_lib.Loss() if self.loss_fn is not None else None
@@ -323,6 +343,27 @@ def _metrics(metrics: Any) -> dict[str, metric_lib.Metric]:
         raise ContextError(f"jaxpar.Model: unknown metrics {unknown}; known names: "
                            f"{sorted(METRIC_NAMES)}.")
     return {n: METRIC_NAMES[n]() for n in names}
+
+
+class _SinkEpochs:
+    """MindSpore's sink-mode epochs: ``sink_size`` steps each, reading on through the data."""
+
+    def __init__(self, batches: Any, data: Iterable, sink_size: int) -> None:
+        self._batches, self._data, self._size = batches, data, sink_size
+        self._it: Any = None
+
+    def __len__(self) -> int:
+        return self._size
+
+    def epoch(self) -> Iterable[tuple]:
+        for _ in range(self._size):
+            batch = next(self._it, None) if self._it is not None else None
+            if batch is None:
+                self._it = iter(self._batches(self._data))
+                batch = next(self._it, None)
+                if batch is None:
+                    raise ContextError("jaxpar.Model.train: the dataset yields no batches.")
+            yield batch
 
 
 def _length(data: Any) -> int | None:
