@@ -7,8 +7,10 @@ On the emulated 8-device CPU mesh ``(dp=2, mp=4)``:
    FSDP-like, deliberately bad ones) is compiled, its inputs placed on the devices first;
 3. the steps are timed in rounds, interleaved between plans (each round runs every plan
    ``steps`` times), best and median per plan;
-4. beside them: jaxpar's prediction (``plan.step_time()`` under the calibrated profile) and the
-   yardstick (the compiled HLO priced with the same profile, :func:`jaxpar.inspect.yardstick`);
+4. beside them: jaxpar's prediction (``plan.step_time()`` under the calibrated profile), the
+   yardstick (the compiled HLO priced with the same profile, :func:`jaxpar.inspect.yardstick`),
+   and the yardstick's roofline variant (compute = max(FLOPs / rate, XLA's bytes accessed /
+   the calibrated memory bandwidth));
 5. Spearman rank correlation (all plans pooled, and within each model) and the median relative
    error of each predictor; plus, to explain disagreements, what XLA's compiled program does:
    bytes accessed, fusions, collectives.
@@ -43,12 +45,14 @@ import jaxpar  # noqa: E402
 from bench import plans as bp  # noqa: E402
 from jaxpar._src.calibrate import measure  # noqa: E402
 
+PREDICTORS = {"predicted_s": "jaxpar plan.step_time", "yardstick_s": "yardstick",
+              "roofline_s": "yardstick, roofline"}
 QUICK_PLANS = ("auto recursive", "data parallel", "Megatron", "FSDP", "replicated (bad)")
 ALL_PLANS = ("auto recursive", "auto dp", "auto optimal", "data parallel", "Megatron", "FSDP",
              "Megatron transposed (bad)", "replicated (bad)")
 
 
-def build(case, label: str, hardware, mesh) -> dict:
+def build(case, label: str, hardware, mesh, memory_bandwidth: float) -> dict:
     """Compiles plan ``label`` of ``case``; returns the callable with placed inputs and the
     predictions."""
     step, args = case.train_step()
@@ -64,10 +68,12 @@ def build(case, label: str, hardware, mesh) -> dict:
     placed = jax.tree.unflatten(tree, [jax.device_put(x, s) for x, s in
                                        zip(leaves, entry.in_shardings, strict=True)])
     y = jaxpar.inspect.yardstick(compiled, hardware, mesh)
+    roof = jaxpar.inspect.yardstick(compiled, hardware, mesh, memory_bandwidth=memory_bandwidth)
     text = compiled.as_text()
     return {
         "model": case.name, "plan": label, "run": compiled, "args": placed,
         "predicted_s": entry.plan.step_time(), "yardstick_s": y.step_time_s,
+        "roofline_s": roof.step_time_s,
         "yardstick": y.to_dict(), "jaxpar_s": t1 - t0, "xla_compile_s": t2 - t1,
         "predicted_collectives": {k: v["count"] for k, v in
                                   entry.plan.communication_summary().items()},
@@ -98,7 +104,7 @@ def time_plans(rows: list[dict], rounds: int, steps: int) -> None:
 def summarize(rows: list[dict]) -> dict:
     measured = np.array([r["median_s"] for r in rows])
     out = {}
-    for key in ("predicted_s", "yardstick_s"):
+    for key in PREDICTORS:
         pred = np.array([r[key] for r in rows])
         rel = np.abs(pred / measured - 1.0)
         per_model = []
@@ -120,32 +126,36 @@ def table(rows: list[dict], summary: dict, calib, meta: dict) -> list[str]:
              f"Mesh (dp=2, mp=4) of 8 emulated CPU devices, {meta['cpus']} CPUs, load average "
              f"{meta['load']} at the start (timings need a quiet machine). Profile from "
              f"`jaxpar.calibrate` ({calib.seconds:.1f} s): {calib.flops_per_s / 1e9:.3g} GFLOP/s"
-             " per device; " + "; ".join(
+             f" and {calib.memory_bandwidth / 1e9:.3g} GB/s of memory traffic per device; "
+             + "; ".join(
                  f"{a}: alpha {f.alpha * 1e6:.3g} us/step, beta {f.beta / 1e9:.3g} GB/s"
                  for a, f in calib.axis_fits) + ".", "",
              "measured = median (best) of the rounds, ms per train step; jaxpar = "
              "`plan.step_time()` under the calibrated profile; yardstick = the compiled HLO "
-             "priced with the same profile (compute + collectives); MiB = XLA's bytes accessed "
+             "priced with the same profile (compute + collectives); roofline = the same with "
+             "compute max(FLOPs / rate, bytes / memory bandwidth); MiB = XLA's bytes accessed "
              "per device; fusions / instructions of the partitioned HLO.", "",
-             "| model | plan | measured ms | jaxpar ms | yardstick ms | collectives (HLO) | "
-             "predicted collectives | MiB accessed | fusions | instr. | jaxpar s | XLA s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | plan | measured ms | jaxpar ms | yardstick ms | roofline ms | "
+             "collectives (HLO) | predicted collectives | MiB accessed | fusions | instr. | "
+             "jaxpar s | XLA s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pred = sum(r["predicted_collectives"].values())
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['median_s'] * 1e3:.3g} ({r['best_s'] * 1e3:.3g})"
             f" | {r['predicted_s'] * 1e3:.3g} | {r['yardstick_s'] * 1e3:.3g} | "
+            f"{r['roofline_s'] * 1e3:.3g} | "
             f"{r['yardstick']['collective_count']} | {pred:g} | "
             f"{r['yardstick']['bytes_accessed'] / 2**20:.3g} | {r['fusions']} | "
             f"{r['hlo_instructions']} | {r['jaxpar_s']:.2f} | {r['xla_compile_s']:.2f} |")
     lines += ["", "| predictor | Spearman (all plans) | Spearman within a model (mean) | "
               "median relative error |", "|---|---:|---:|---:|"]
-    for key, name in (("predicted_s", "jaxpar plan.step_time"), ("yardstick_s", "yardstick")):
+    for key, name in PREDICTORS.items():
         s = summary[key]
         lines.append(f"| {name} | {s['spearman_all']:.2f} | {s['spearman_per_model_mean']:.2f}"
                      f" | {s['median_relative_error']:.0%} |")
     lines.append("")
-    for key, name in (("predicted_s", "jaxpar"), ("yardstick_s", "yardstick")):
+    for key, name in PREDICTORS.items():
         per = ", ".join(f"{m} {v:.2f}" for m, v in summary[key]["spearman_per_model"].items())
         lines.append(f"Spearman within each model, {name}: {per}.")
     return lines
@@ -167,7 +177,7 @@ def run(quick: bool, out_dir: str, rounds: int | None = None, steps: int | None 
         case = bp.CLOCK_MODELS[name]()
         for label in labels:
             t = time.perf_counter()
-            rows.append(build(case, label, hw, mesh))
+            rows.append(build(case, label, hw, mesh, calib.memory_bandwidth))
             print(f"built {case.name} / {label} in {time.perf_counter() - t:.1f}s", flush=True)
     time_plans(rows, rounds or (3 if quick else 7), steps or (5 if quick else 20))
     summary = summarize(rows)

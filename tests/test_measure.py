@@ -31,8 +31,10 @@ def test_calibrated_profile_is_measured_saved_and_loaded(mesh, tmp_path):
     assert dict(hw.axis_bandwidth).keys() == {"dp", "mp"} == dict(hw.axis_latency).keys()
     assert all(b > 0 for _, b in hw.axis_bandwidth) and all(a >= 0 for _, a in hw.axis_latency)
     assert hw.flops_per_s > 1e6 and hw.memory_per_device > 2**20
+    assert result.memory_bandwidth > 1e6
     assert {(m.axis, m.kind, m.group) for m in result.measurements} == {
-        (a, k, n) for a, n in (("dp", 2), ("mp", 4)) for k in ("all-reduce", "all-gather")}
+        (a, k, n) for a, n in (("dp", 2), ("mp", 4)) for k in ("all-reduce", "all-gather")} | {
+        ("dp+mp", "all-reduce", 8)}  # the joint all-reduce, beside the per-axis fits
     assert all(m.seconds > 0 for m in result.measurements)
     path = tmp_path / "hw.json"
     result.save(path)
@@ -93,6 +95,9 @@ def test_yardstick_prices_the_compiled_collectives(mesh):
     assert y.communication_s == pytest.approx(expected)
     assert y.compute_s == pytest.approx(jaxpar.inspect.flops(compiled) / 1e12)
     assert y.memory_bytes == jaxpar.inspect.memory(compiled)["total"] and y.fits_memory
+    roof = jaxpar.inspect.yardstick(compiled, hw, memory_bandwidth=1e3)  # memory-bound
+    assert roof.compute_s == pytest.approx(y.bytes_accessed / 1e3) and y.bytes_accessed > 0
+    assert roof.communication_s == y.communication_s
 
 
 # -- rules the zoo needs, and the zoo itself ----------------------------------------------------

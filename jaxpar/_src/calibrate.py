@@ -6,7 +6,12 @@ What is measured, with every device of the mesh busy at once (as in a training s
   collective-permute), a few message sizes: ``jax.shard_map`` over the whole mesh, the
   collective over that one axis (a ``psum`` over ``"mp"`` of a ``(2, 4)`` mesh runs two groups
   of four at once);
-* the matmul FLOP rate of one device while all devices multiply;
+* an all-reduce over all mesh axes at once (the combined gradient all-reduce of data
+  parallelism), kept beside the per-axis fits: the profile prices such a collective with its
+  slowest axis, and this says how far that is from the truth;
+* the matmul FLOP rate of one device while all devices multiply, and the memory bandwidth of
+  one device while all devices stream a buffer (``Calibration.memory_bandwidth``, for the
+  roofline of :func:`jaxpar.inspect.yardstick`);
 * the memory of one device (the allocator's limit on accelerators; RAM over the devices that
   share it on CPU).
 
@@ -86,6 +91,7 @@ class Calibration:
     kind_fits: tuple[tuple[str, str, Fit], ...]  # (axis, kind, fit)
     flops_per_s: float
     memory_per_device: float
+    memory_bandwidth: float  # bytes/s one device reads + writes while all devices stream
     seconds: float  # wall time of the calibration
     mesh: tuple[tuple[str, int], ...]
     device_kind: str
@@ -96,6 +102,7 @@ class Calibration:
             "calibration": {
                 "mesh": dict(self.mesh), "device_kind": self.device_kind,
                 "seconds": self.seconds, "jax": jax.__version__,
+                "memory_bandwidth": self.memory_bandwidth,
                 "axis_fits": {a: dataclasses.asdict(f) for a, f in self.axis_fits},
                 "kind_fits": [{"axis": a, "kind": k, **dataclasses.asdict(f)}
                               for a, k, f in self.kind_fits],
@@ -113,7 +120,8 @@ class Calibration:
         """A readable summary: the fit per axis and per kind."""
         lines = [f"calibrated in {self.seconds:.1f} s on {self.device_kind}, mesh "
                  f"{dict(self.mesh)}: {self.flops_per_s / 1e9:.3g} GFLOP/s per device, "
-                 f"{self.memory_per_device / 2**30:.3g} GiB per device"]
+                 f"{self.memory_per_device / 2**30:.3g} GiB and "
+                 f"{self.memory_bandwidth / 1e9:.3g} GB/s of memory traffic per device"]
         for axis, fit in self.axis_fits:
             lines.append(f"axis {axis}: alpha {fit.alpha * 1e6:.3g} us/step, beta "
                          f"{fit.beta / 1e9:.3g} GB/s (rms rel. error {fit.rms_rel_error:.0%}, "
@@ -173,24 +181,32 @@ def measure(mesh: Mesh | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
         raise ContextError(f"jaxpar.calibrate: sizes {list(sizes)} must be payload bytes per "
                            f"device, each at least 64.")
     axes = [(str(a), int(n)) for a, n in mesh.shape.items() if n > 1]
-    jobs = [(a, n, k, int(s)) for a, n in axes for k in kinds for s in sizes]
-    bar = _Progress(len(jobs) + 1, progress)
+    jobs = [((a,), n, k, int(s)) for a, n in axes for k in kinds for s in sizes]
+    if len(axes) > 1 and "all-reduce" in kinds:
+        joint = tuple(a for a, _ in axes)
+        jobs += [(joint, mesh.size, "all-reduce", int(s)) for s in sizes]
+    bar = _Progress(len(jobs) + 2, progress)
     measurements = []
-    for axis, n, kind, size in jobs:
-        bar.update(f"{kind} over {axis} ({n}), {size // 1024} KiB")
-        seconds = _time_collective(mesh, axis, kind, size, rounds)
-        measurements.append(Measurement(axis, kind, n, float(_payload(kind, size, n)), seconds))
+    for group, n, kind, size in jobs:
+        label = "+".join(group)
+        bar.update(f"{kind} over {label} ({n}), {size // 1024} KiB")
+        seconds = _time_collective(mesh, group, kind, size, rounds)
+        measurements.append(Measurement(label, kind, n, float(_payload(kind, size, n)),
+                                        seconds))
     bar.update("matmul")
     flops = _flop_rate(mesh, rounds)
+    bar.update("memory bandwidth")
+    bandwidth = _memory_bandwidth(mesh, rounds)
     bar.close()
     memory = _memory_per_device(mesh)
     axis_fits = tuple((a, _fit([m for m in measurements if m.axis == a])) for a, _ in axes)
-    kind_fits = tuple((a, k, _fit([m for m in measurements if m.axis == a and m.kind == k]))
-                      for a, _ in axes for k in kinds)
+    labels = list(dict.fromkeys(m.axis for m in measurements))
+    kind_fits = tuple((a, k, _fit(pts)) for a in labels for k in kinds
+                      if (pts := [m for m in measurements if m.axis == a and m.kind == k]))
     profile = _profile(mesh, axis_fits, flops, memory)
     kind = mesh.devices.flat[0].device_kind
     return Calibration(profile, tuple(measurements), axis_fits, kind_fits, flops, memory,
-                       time.perf_counter() - t0, tuple((str(a), int(n))
+                       bandwidth, time.perf_counter() - t0, tuple((str(a), int(n))
                                                       for a, n in mesh.shape.items()), kind)
 
 
@@ -205,7 +221,7 @@ def _fit(points: Sequence[Measurement]) -> Fit:
     if not points:
         return Fit(0.0, math.inf, 0.0, 0)
     a = np.array([model_terms(m.kind, m.nbytes, m.group) for m in points])
-    t = np.array([max(m.seconds, 1e-9) for m in points])
+    t = np.array([max(m.seconds, 1e-7) for m in points])  # weights 1 / t stay bounded
     w = 1.0 / t
     aw, tw = a * w[:, None], t * w
     best = None
@@ -270,7 +286,8 @@ def _elements(kind: str, size: int, n: int) -> int:
     return m - m % n
 
 
-def _collective_body(kind: str, axis: str, n: int) -> Callable[[jax.Array], jax.Array]:
+def _collective_body(kind: str, axis: str | tuple[str, ...], n: int
+                     ) -> Callable[[jax.Array], jax.Array]:
     perm = [(i, (i + 1) % n) for i in range(n)]
     scale = 1.0 / n
 
@@ -292,10 +309,12 @@ def _collective_body(kind: str, axis: str, n: int) -> Callable[[jax.Array], jax.
     return body
 
 
-def _time_collective(mesh: Mesh, axis: str, kind: str, size: int, rounds: int) -> float:
-    n = int(mesh.shape[axis])
+def _time_collective(mesh: Mesh, group: tuple[str, ...], kind: str, size: int, rounds: int
+                     ) -> float:
+    n = math.prod(int(mesh.shape[a]) for a in group)
     m = _elements(kind, size, n)
     names = tuple(mesh.axis_names)
+    axis = group[0] if len(group) == 1 else group
     body = _collective_body(kind, axis, n)
 
     def local(x: jax.Array, trips: jax.Array) -> jax.Array:
@@ -331,11 +350,15 @@ def _slope(fn: Any, x: jax.Array, rounds: int, target: float) -> float:
     call(1)  # warm: the first calls allocate
     one = max(min(call(2) for _ in range(2)) - min(call(1) for _ in range(2)), 1e-6)
     hi = int(min(max(target / one, 4), 256)) + 1
-    lo_t, hi_t = math.inf, math.inf
-    for _ in range(max(rounds, 1)):
-        lo_t = min(lo_t, call(1))
-        hi_t = min(hi_t, call(hi))
-    return max(hi_t - lo_t, 0.0) / (hi - 1)
+    for _ in range(4):
+        lo_t, hi_t = math.inf, math.inf
+        for _ in range(max(rounds, 1)):
+            lo_t = min(lo_t, call(1))
+            hi_t = min(hi_t, call(hi))
+        if hi_t > lo_t:
+            return (hi_t - lo_t) / (hi - 1)
+        hi = 4 * hi - 3  # noise swamped the difference (a loaded machine): a longer loop
+    return 1e-7  # below what this clock resolves
 
 
 def _flop_rate(mesh: Mesh, rounds: int, dim: int = 256) -> float:
@@ -354,6 +377,21 @@ def _flop_rate(mesh: Mesh, rounds: int, dim: int = 256) -> float:
                        NamedSharding(mesh, P(names)))
     seconds = _slope(fn, a, rounds, target=0.05)
     return 2.0 * dim ** 3 / max(seconds, 1e-12)
+
+
+def _memory_bandwidth(mesh: Mesh, rounds: int, nbytes: int = 8 * 2**20) -> float:
+    """Bytes/s one device reads and writes while every device streams ``nbytes`` buffers."""
+    names = tuple(mesh.axis_names)
+
+    def local(x: jax.Array, trips: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, trips[0], lambda _, v: v * 0.999 + 1e-3, x)
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(names), P()), out_specs=P(names),
+                               check_vma=False))
+    x = jax.device_put(jnp.ones((mesh.size * nbytes // 4,), jnp.float32),
+                       NamedSharding(mesh, P(names)))
+    seconds = _slope(fn, x, rounds, target=0.05)
+    return 2.0 * nbytes / max(seconds, 1e-12)  # one read and one write per trip
 
 
 def _memory_per_device(mesh: Mesh) -> float:

@@ -10,7 +10,9 @@ jaxpar's plan is read:
   the slowest link and largest latency of those axes (ring steps and wire bytes as
   :func:`ring_terms` counts them, the cost model's convention);
 * compute: the per-device FLOPs XLA's ``cost_analysis()`` counts, at the profile's FLOP rate
-  (XLA counts a loop body once, so a ``scan`` is under-counted here);
+  (XLA counts a loop body once, so a ``scan`` is under-counted here); given a
+  ``memory_bandwidth``, the roofline ``max(flops / rate, bytes accessed / bandwidth)`` instead
+  (XLA's count of bytes accessed; on CPU most of a small model's time is memory traffic);
 * memory: ``memory_analysis()`` (arguments + outputs - aliased + temporaries), beside the
   profile's memory per device.
 
@@ -106,13 +108,17 @@ def _spanned_axes(record: CollectiveRecord, mesh: Any) -> tuple[str, ...]:
     return tuple(names[d] for d in sorted(spanned))
 
 
-def yardstick(obj: Any, hardware: HardwareProfile, mesh: Any = None) -> Yardstick:
+def yardstick(obj: Any, hardware: HardwareProfile, mesh: Any = None, *,
+              memory_bandwidth: float | None = None) -> Yardstick:
     """Prices a compiled program with ``hardware``: compute + collectives, and its memory.
 
     Args:
       obj: a ``jax.stages.Lowered`` (compiled here) or ``jax.stages.Compiled``.
       hardware: the :class:`jaxpar.HardwareProfile` to price with (e.g. a calibrated one).
       mesh: the program's mesh; taken from its input shardings when omitted.
+      memory_bandwidth: bytes/s of one device's memory traffic (what :func:`jaxpar.calibrate`
+        measures as ``memory_bandwidth``); when given, compute is the roofline
+        ``max(flops / flops_per_s, bytes accessed / memory_bandwidth)``.
 
     >>> import jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -146,7 +152,10 @@ def yardstick(obj: Any, hardware: HardwareProfile, mesh: Any = None) -> Yardstic
         cost = cost[0] if cost else {}
     cost = cost or {}
     flops = float(cost.get("flops", 0.0))
+    accessed = float(cost.get("bytes accessed", 0.0))
     compute = flops / hardware.flops_per_s
+    if memory_bandwidth:
+        compute = max(compute, accessed / memory_bandwidth)
     comm = sum(r["time"] for r in table.values())
-    return Yardstick(compute + comm, compute, comm, flops, float(cost.get("bytes accessed", 0.0)),
+    return Yardstick(compute + comm, compute, comm, flops, accessed,
                      float(memory(compiled)["total"]), float(hardware.memory_per_device), table)
