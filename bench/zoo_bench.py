@@ -122,16 +122,22 @@ def run(names, quick: bool, out_dir: str, calibrated: str | None) -> dict:
         row["warnings"] = sorted({str(w.message).split(";")[0] for w in caught
                                   if issubclass(w.category, jaxpar.JaxparWarning)})
         results.append(row)
+        lines = write(results, labels, list(profiles), quick, out_dir)  # after every model
+    print("\n".join(lines), flush=True)
+    return {"models": results}
+
+
+def write(results: list[dict], labels, profiles: list[str], quick: bool, out_dir: str
+          ) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     meta = {"jax": jax.__version__, "cpus": os.cpu_count(), "quick": quick,
             "load": f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"}
     with open(os.path.join(out_dir, "zoo.json"), "w") as f:
         json.dump({"meta": meta, "models": results}, f, indent=1)
-    lines = table(results, labels, list(profiles))
+    lines = table(results, labels, profiles)
     with open(os.path.join(out_dir, "zoo.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    return {"meta": meta, "models": results}
+    return lines
 
 
 def table(results: list[dict], labels, profiles: list[str]) -> list[str]:
