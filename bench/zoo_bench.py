@@ -100,11 +100,13 @@ def run(names, quick: bool, out_dir: str, calibrated: str | None) -> dict:
         profiles["calibrated"] = jaxpar.HardwareProfile.load(calibrated)
     missing = zoo.available()
     labels = QUICK_PLANS if quick else PLANS
-    results = []
+    results: list[dict] = []
+    lines: list[str] = []
     for name in names:
         if name in missing:
             results.append({"model": name, "skipped": missing[name]})
             print(f"zoo {name}: not run, {missing[name]}", flush=True)
+            lines = write(results, labels, list(profiles), quick, out_dir)
             continue
         case = zoo.BUILDERS[name]()
         reference = jax.jit(case.grad_fn())(case.params, case.state, *case.batch)
