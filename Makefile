@@ -47,7 +47,12 @@ notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmak
 	done
 	$(PY) -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 build/notebooks
 
-bench: $(STAMP)  ## Measure plans and jaxpar's own time; writes bench/results/*.json and *.md.
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet --no-deps "keras-hub>=0.32,<0.33"  # see pyproject's bench extra
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench  ## Measure plans, the zoo and the clock; writes bench/results/*.json and *.md.
 	$(PY) bench/run.py
 
 clean:  ## Remove the environment and build outputs.

@@ -17,8 +17,10 @@ itself costs.  Six groups of tables, all in one run:
    1 and 4 processes against the checkpoint's size, and ``infer_predict_layout`` beside XLA's
    compile.
 
-Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
-Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
+Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
+measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
+prediction against the clock: ``clock.json``/``clock.md``, the profile in ``hw.json``) and
+``bench/zoo_bench.py`` (models written by others: ``zoo.json``/``zoo.md``).
 """
 
 from __future__ import annotations
@@ -387,6 +389,10 @@ def main() -> None:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
+    from bench import clock, zoo, zoo_bench  # the measurement sections (issue 9)
+
+    clock.run(args.quick, args.out)
+    zoo_bench.run(zoo.NAMES, args.quick, args.out, os.path.join(args.out, "hw.json"))
 
 
 if __name__ == "__main__":

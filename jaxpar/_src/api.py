@@ -30,7 +30,7 @@ from jaxpar._src.data_parallel import (
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
-from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.hardware import HardwareProfile, resolve_hardware
 from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
@@ -77,7 +77,7 @@ class Parallelized:
 
     def __init__(self, fn: Callable, *, mesh: Mesh | None, parallel_mode: Any,
                  search_mode: str | None, in_strategy: Any, out_strategy: Any,
-                 hardware: HardwareProfile | None, batch_argnums: Sequence[int] | int | None,
+                 hardware: HardwareProfile | str | None, batch_argnums: Sequence[int] | int | None,
                  donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int,
                  parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize"):
         functools.update_wrapper(self, fn)
@@ -165,7 +165,6 @@ class Parallelized:
         ctx = current_context()
         mode = self._mode if self._mode is not None else ctx.parallel_mode
         search = self._search_mode or ctx.search_mode
-        hardware = self._hardware or ctx.hardware or HardwareProfile()
         if mode is ParallelMode.STAND_ALONE:
             mesh = single_device_mesh()
         else:
@@ -174,6 +173,7 @@ class Parallelized:
                 n = ctx.device_num or len(jax.devices())
                 mesh = make_mesh((n,), ("devices",))
         check_auto_axes(mesh, self._api)
+        hardware = resolve_hardware(self._hardware or ctx.hardware, mesh)
         if mode is ParallelMode.DATA_PARALLEL and not ctx.gradients_mean:
             raise ContextError(
                 f"{self._api}: gradients_mean=False asks for the sum of per-device gradients, "
@@ -481,7 +481,7 @@ def parallelize(
     search_mode: str | None = None,
     in_strategy: Any = None,
     out_strategy: Any = None,
-    hardware: HardwareProfile | None = None,
+    hardware: HardwareProfile | str | None = None,
     batch_argnums: Sequence[int] | int | None = None,
     donate_argnums: Sequence[int] | int = (),
     static_argnums: Sequence[int] | int = (),
@@ -506,8 +506,10 @@ def parallelize(
       in_strategy: one strategy per positional argument (a slice-count tuple, ``PartitionSpec``,
         ``jaxpar.Layout`` or ``None`` = free), or a tree of them matching the argument.
       out_strategy: strategies for the result, in the same forms.
-      hardware: the :class:`HardwareProfile` the cost model prices; default: the context's, else
-        the CPU preset.
+      hardware: the :class:`HardwareProfile` the cost model prices, a preset name, or
+        ``"calibrated"`` (what :func:`jaxpar.calibrate` measured on these devices and this mesh,
+        cached on disk; see :func:`jaxpar.calibration_path`); default: the context's, else the
+        CPU preset.
       batch_argnums: arguments that carry the global batch (``data_parallel``); inferred when
         omitted: arguments that come back as results are state, the others data.
       donate_argnums: arguments whose buffers may be reused, as in ``jax.jit``.

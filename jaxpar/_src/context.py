@@ -105,9 +105,11 @@ def _validate(key: str, value: Any) -> Any:
     if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and \
             not isinstance(value, (str, os.PathLike)):
         raise ContextError(f"jaxpar: {key} must be a path, got {value!r}.")
-    if key == "hardware" and value is not None and not isinstance(value, HardwareProfile):
+    if key == "hardware" and value is not None and not isinstance(value, HardwareProfile) \
+            and value != "calibrated" and value not in HardwareProfile.PRESETS:
         raise ContextError(
-            f"jaxpar: hardware must be a jaxpar.HardwareProfile, got {value!r}.")
+            f"jaxpar: hardware must be a jaxpar.HardwareProfile, a preset name or "
+            f"'calibrated', got {value!r}.")
     if key == "dataset_strategy":
         return check_dataset_strategy(value)
     if key == "all_reduce_fusion_config":

@@ -10,6 +10,8 @@ device counts multiply to at most ``devices_per_node`` are inside a node, the re
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,8 +131,100 @@ class HardwareProfile:
         inside = self._inside_node(axis, mesh)
         return self.intra_node_latency if inside else self.inter_node_latency
 
+    # -- persistence (a calibrated profile is kept as JSON) -------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The profile's fields as plain JSON values (axis maps as dicts)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            out[field.name] = dict(value) if isinstance(value, tuple) else value
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the profile as JSON (``{"profile": {...}}``); :meth:`load` reads it back.
+
+        >>> import tempfile, os
+        >>> hw = HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9})
+        >>> path = os.path.join(tempfile.mkdtemp(), "hw.json")
+        >>> hw.save(path)
+        >>> HardwareProfile.load(path) == hw
+        True
+        """
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"profile": self.to_dict()}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> HardwareProfile:
+        """The profile saved at ``path`` by :meth:`save` or :func:`jaxpar.calibrate`."""
+        from jaxpar._src.errors import ContextError
+
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ContextError(f"jaxpar.HardwareProfile.load: cannot read {str(path)!r} ({e}); "
+                               f"pass a file written by HardwareProfile.save or "
+                               f"jaxpar.calibrate(save=...).") from e
+        fields = data.get("profile", data) if isinstance(data, dict) else None
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) - names:
+            extra = sorted(set(fields) - names) if isinstance(fields, dict) else fields
+            raise ContextError(f"jaxpar.HardwareProfile.load: {str(path)!r} has fields "
+                               f"{extra} that a HardwareProfile does not have; it was written "
+                               f"by another version of jaxpar: calibrate again.")
+        return cls(**fields)
+
     def describe(self) -> str:
         return (f"{self.preset}: {self.flops_per_s / 1e12:.3g} TFLOP/s, "
                 f"{self.memory_per_device / _GB:.3g} GB/device, "
                 f"{self.intra_node_bandwidth / _GB:.3g} GB/s inside {self.devices_per_node}-device"
                 f" nodes, {self.inter_node_bandwidth / _GB:.3g} GB/s across")
+
+
+def resolve_hardware(value: HardwareProfile | str | None, mesh: Any) -> HardwareProfile:
+    """The profile a ``hardware=`` argument names, on ``mesh`` (a ``jax.sharding.Mesh``).
+
+    ``None``: the CPU preset.  A preset name (``"h100"``, ...): that preset.  ``"calibrated"``:
+    the profile :func:`jaxpar.calibrate` measured for these devices and this mesh, kept in
+    :func:`calibration_path` (``$JAXPAR_CACHE_DIR``, default ``~/.cache/jaxpar``); when that file
+    is missing, jaxpar calibrates now (tens of seconds) and saves it there.  Loaded once per
+    process.  Delete the file to measure again.
+    """
+    if value is None:
+        return HardwareProfile()
+    if isinstance(value, HardwareProfile):
+        return value
+    if value == "calibrated":
+        path = calibration_path(mesh)
+        found = _CALIBRATED.get(path)
+        if found is None:
+            if not os.path.exists(path):
+                from jaxpar._src.calibrate import calibrate
+
+                calibrate(mesh, save=path)
+            found = _CALIBRATED[path] = HardwareProfile.load(path)
+        return found
+    if isinstance(value, str) and value in PRESETS:
+        return HardwareProfile(preset=value)
+    from jaxpar._src.errors import ContextError
+
+    raise ContextError(f"jaxpar: hardware={value!r} is not a jaxpar.HardwareProfile, a preset "
+                       f"name ({sorted(PRESETS)}) or 'calibrated'.")
+
+
+_CALIBRATED: dict[str, HardwareProfile] = {}
+
+
+def calibration_path(mesh: Any) -> str:
+    """Where ``hardware="calibrated"`` keeps the profile of ``mesh``'s devices and axes.
+
+    The file name holds the platform, device kind, device count and the mesh's axes and sizes:
+    a profile is only reused for the same devices arranged the same way.
+    """
+    device = mesh.devices.flat[0]
+    axes = "-".join(f"{a}{n}" for a, n in mesh.shape.items())
+    kind = "".join(c if c.isalnum() else "_" for c in device.device_kind.lower())
+    root = os.environ.get("JAXPAR_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxpar")
+    return os.path.join(root, "hardware", f"{device.platform}-{kind}-{mesh.size}dev-{axes}.json")

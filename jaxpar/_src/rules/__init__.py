@@ -22,6 +22,7 @@ __all__ = [
     "register_rule", "registered_primitives", "rule_for", "specs_for", "strategy_for_specs",
 ]
 del contraction, elementwise, indexing, random, reductions, shape_ops
+from jaxpar._src.rules import stacking  # noqa: E402, F401 - registers stack / unstack
 
 IDENTITY_OPS = ("sharding_constraint",)
 
