@@ -5,6 +5,11 @@ array of that argument) or a tree of strategies that is a prefix of the argument
 ``parameter_plan`` maps parameter names (``"w1"``, ``"params.layers.0.kernel"``, or glob
 patterns such as ``"*.kernel"``) to strategies.  Both are normalised into one :class:`Spec` (or
 ``None``) per flattened array.
+
+:func:`gather_pins` collects every pin of one traced program (the mode's, ``dataset_strategy``'s,
+the user's strategies, ``with_sharding_constraint`` in the function) as a pure function of the
+validated :class:`ParallelizeInfo` and the program; :func:`baseline_pins` gives pure data
+parallel's, the yardstick of the automatic searches.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxpar._src.errors import StrategyError
-from jaxpar._src.spec import Spec
+from jaxpar._src.arguments import ParallelizeInfo
+from jaxpar._src.context import ParallelMode
+from jaxpar._src.data_parallel import batch_specs, dataset_specs
+from jaxpar._src.errors import PlanError, StrategyError
+from jaxpar._src.rules import strategy_for_specs
+from jaxpar._src.search import Pin, SearchSpace
+from jaxpar._src.spec import MeshShape, Spec
 from jaxpar._src.strategy import is_strategy_leaf, normalize
-from jaxpar._src.trace import dotted
+from jaxpar._src.trace import TracedProgram, dotted
 
 
 def leaf_names(args: Sequence[Any], arg_names: Sequence[str]) -> list[tuple[int, str]]:
@@ -134,3 +144,117 @@ def merge(first: list[Any], second: list[Any], names: Sequence[str], *, api: str
                 f"({b!r}); give it in one place.")
         out.append(a if a is not None else b)
     return out
+
+
+def gather_pins(info: ParallelizeInfo, args: Sequence[Any], program: TracedProgram,
+                space: SearchSpace, mesh: Mesh, *, mode: ParallelMode, dataset_strategy: Any,
+                batch: Sequence[int] | None) -> list[Pin]:
+    """Every fixed strategy of ``program``: the mode's batch layouts, ``dataset_strategy``'s
+    tiles, ``in_strategy``/``parameter_plan``, ``out_strategy`` and the sharding constraints in
+    the function.  A leaf fixed twice is an error naming both sources."""
+    graph = program.graph
+    api = info.api
+    mshape = MeshShape.of(mesh)
+    in_shapes = [graph.values[graph.nodes[n].outputs[0]].shape for n in graph.inputs]
+    in_dtypes = [graph.values[graph.nodes[n].outputs[0]].dtype for n in graph.inputs]
+    pins: list[Pin] = []
+    if mode is ParallelMode.STAND_ALONE:
+        return pins
+    if mode is ParallelMode.DATA_PARALLEL:
+        assert batch is not None  # the caller infers it in this mode
+        specs = batch_specs(program, batch, mshape, in_shapes, api=api)
+        for nid, spec in zip(graph.inputs, specs, strict=True):
+            pins.append(pin(space, nid, "out", spec, "data_parallel", api=api))
+    if isinstance(dataset_strategy, tuple):
+        assert batch is not None
+        tiles = dataset_specs(program, batch, dataset_strategy, mesh, in_shapes, in_dtypes,
+                              api=api)
+        by_node = {p.node: k for k, p in enumerate(pins)}
+        for nid, spec in zip(graph.inputs, tiles, strict=True):
+            if spec is None:
+                continue
+            tile = pin(space, nid, "out", spec, "dataset_strategy", api=api)
+            if nid in by_node:
+                pins[by_node[nid]] = tile
+            else:
+                pins.append(tile)
+    static = info.static_argnums
+    dyn_args = [a for i, a in enumerate(args) if i not in static]
+    dyn_names = [n for i, n in enumerate(info.arg_names(len(args))) if i not in static]
+    names = [name for _, name in leaf_names(dyn_args, dyn_names)]
+    raw = argument_strategies(info.in_strategy, dyn_args, dyn_names, api=api)
+    by_name = parameter_plan_strategies(info.parameter_plan, names, api=api)
+    raw = merge(raw, by_name, names, api=api)
+    wheres = [f"{api}: strategy of argument '{nm}'" for nm in names]
+    specs = normalize_all(raw, in_shapes, in_dtypes, mesh, wheres)
+    pinned_inputs = {p.node for p in pins}
+    for nid, spec in zip(graph.inputs, specs, strict=True):
+        if spec is None:
+            continue
+        if nid in pinned_inputs and mode is ParallelMode.DATA_PARALLEL:
+            raise StrategyError(
+                f"{api}: in data_parallel mode the layouts of the arguments are fixed by the "
+                f"mode; drop in_strategy/parameter_plan or use "
+                f"parallel_mode='semi_auto_parallel'.")
+        if nid in pinned_inputs:
+            raise StrategyError(
+                f"{api}: argument leaf '{names[graph.inputs.index(nid)]}' has its layout from "
+                f"dataset_strategy and from in_strategy/parameter_plan; give it one.")
+        pins.append(pin(space, nid, "out", spec, "in_strategy", api=api))
+    out_raw = output_strategies(info.out_strategy, program.out_shapes, api=api)
+    out_nodes = graph.outputs
+    out_shapes = [graph.operand_shape(graph.nodes[n].inputs[0]) for n in out_nodes]
+    out_dtypes = [graph.operand_dtype(graph.nodes[n].inputs[0]) for n in out_nodes]
+    out_specs = normalize_all(out_raw, out_shapes, out_dtypes, mesh,
+                              [f"{api}: out_strategy for {p}" for p in program.out_paths])
+    for nid, spec in zip(out_nodes, out_specs, strict=True):
+        if spec is not None:
+            pins.append(pin(space, nid, "in", spec, "out_strategy", api=api))
+    pins.extend(constraint_pins(space, mshape, api))
+    return pins
+
+
+def baseline_pins(program: TracedProgram, space: SearchSpace, batch: Sequence[int],
+                  pins: Sequence[Pin], *, api: str) -> list[Pin]:
+    """Pins of pure data parallel over ``batch`` plus ``pins`` (which win where both pin)."""
+    graph = program.graph
+    in_shapes = [graph.values[graph.nodes[n].outputs[0]].shape for n in graph.inputs]
+    specs = batch_specs(program, batch, space.model.mesh, in_shapes, api=api)
+    pinned = {p.node for p in pins}
+    base = [pin(space, nid, "out", spec, "data_parallel", api=api)
+            for nid, spec in zip(graph.inputs, specs, strict=True) if nid not in pinned]
+    return base + list(pins)
+
+
+def pin(space: SearchSpace, nid: int, side: str, spec: Spec, origin: str, *, api: str) -> Pin:
+    """Node ``nid`` fixed to the strategy whose operand or result 0 (``side``) is ``spec``."""
+    strategy = strategy_for_specs(space.rule(nid), {(side, 0): spec}, space.model.mesh)
+    if strategy is None:  # normalisation checked divisibility; this is a jaxpar bug
+        raise PlanError(f"{api}: internal error pinning node {nid} to {spec}.")
+    return Pin(nid, strategy, origin)
+
+
+def constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]:
+    """``with_sharding_constraint`` in the user's function (or from ``jaxpar.shard``) pins."""
+    pins = []
+    graph = space.graph
+    for node in graph.nodes:
+        if node.kind != "op" or node.name != "sharding_constraint":
+            continue
+        sharding = node.eqn.params["sharding"]
+        smesh = getattr(sharding, "mesh", None)
+        if smesh is None or tuple(smesh.axis_names) != mesh.names or \
+                tuple(smesh.devices.shape) != mesh.sizes:
+            raise StrategyError(
+                f"{api}: the sharding constraint at {node.source} uses mesh "
+                f"{MeshShape.of(smesh) if smesh is not None else sharding}, but the program runs "
+                f"on mesh {mesh}. Build its NamedSharding on the same mesh, or use "
+                f"jaxpar.shard inside the function.")
+        if node.eqn.params.get("unconstrained_dims"):
+            continue
+        spec = Spec.from_partition_spec(sharding.spec, len(graph.values[node.outputs[0]].shape))
+        strategy = strategy_for_specs(space.rule(node.id), {("in", 0): spec, ("out", 0): spec},
+                                      mesh)
+        if strategy is not None:
+            pins.append(Pin(node.id, strategy, "shard"))
+    return pins
