@@ -12,6 +12,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar._src.arguments import parallelize_info
+from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import (
     AlgoParameters,
     ParallelMode,
@@ -156,7 +157,9 @@ class Parallelized:
 
     def _compiled(self, args: tuple) -> Compiled:
         settings = self._settings()
-        key = (_signature_key(args, self._info.static_argnums), settings)
+        info = self._info
+        key = (call_key(args, info.static_argnums, api=info.api,
+                        names=info.arg_names(len(args))), settings)
         entry = self._cache.get(key)
         if entry is None:
             with paused_gc():
@@ -253,25 +256,6 @@ class Parallelized:
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
                          static_argnums=info.static_argnums, donate_argnums=info.donate_argnums)
         return jitted, flat_in
-
-
-def _signature_key(args: tuple, static: Sequence[int]) -> Any:
-    parts = []
-    for i, a in enumerate(args):
-        if i in static:
-            parts.append(("static", a))
-            continue
-        leaves, tree = jax.tree.flatten(a)
-        parts.append((tree, tuple(_aval_key(x) for x in leaves)))
-    return tuple(parts)
-
-
-def _aval_key(x: Any) -> Any:
-    shape = tuple(getattr(x, "shape", ()))
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        dtype = jax.numpy.asarray(x).dtype
-    return shape, str(dtype), bool(getattr(x, "weak_type", False))
 
 
 def _place(x: Any, sharding: Any) -> Any:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import current_context
 from jaxpar._src.data_parallel import infer_batch_argnums
 from jaxpar._src.errors import ContextError, StrategyError, warn_once
@@ -122,7 +123,7 @@ class PerReplica:
     def _compiled(self, args: tuple) -> tuple[Callable, Callable]:
         """The jitted step and its eager form (for PYNATIVE_MODE)."""
         mesh, dataset_strategy = self._settings()
-        key = (_signature(args, self._static), mesh, dataset_strategy)
+        key = (call_key(args, self._static, api=API, names=self._names), mesh, dataset_strategy)
         built = self._cache.get(key)
         if built is None:
             built = self._cache[key] = self._build(args, mesh, dataset_strategy)
@@ -220,15 +221,3 @@ class PerReplica:
                 f"is not divisible by {n}. Use a global batch that is a multiple of {n} (drop "
                 f"the remainder), or pass batch_argnums without it.")
         return P(axes)
-
-
-def _signature(args: tuple, static: Sequence[int]) -> Any:
-    parts = []
-    for i, a in enumerate(args):
-        if i in static:
-            parts.append(("static", a))
-        else:
-            leaves, treedef = jax.tree.flatten(a)
-            parts.append((treedef, tuple(
-                (getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves)))
-    return tuple(parts)
