@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -94,7 +95,7 @@ class Parallelized:
         it = iter(dyn)
         full = [a if i in static else next(it) for i, a in enumerate(args)]
         if pynative():  # eager, op by op, on the arguments placed as the plan says
-            with jax.disable_jit():
+            with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
                 return info.fn(*full)
         return entry.jitted(*full)
 
@@ -155,6 +156,14 @@ class Parallelized:
             return mesh_for_slice_counts(counts, n, where=info.api)
         return None
 
+    def _trace_mesh(self, settings: Settings) -> Mesh:
+        """The mesh a bare ``PartitionSpec`` in the function refers to: the plan's (in
+        ``stand_alone``, the mesh the function would otherwise run on, if any: its sharding
+        constraints are then only checked, not applied)."""
+        if settings.mode is ParallelMode.STAND_ALONE:
+            return self._info.mesh or current_context().mesh or settings.mesh
+        return settings.mesh
+
     def _compiled(self, args: tuple) -> Compiled:
         settings = self._settings()
         info = self._info
@@ -171,8 +180,19 @@ class Parallelized:
         t0 = time.perf_counter()
         names = info.arg_names(len(args))
         mesh = settings.mesh
-        with tracing_with(mesh):
-            program = trace(info.fn, args, static_argnums=info.static_argnums, arg_names=names)
+        trace_mesh = self._trace_mesh(settings)
+        with tracing_with(mesh), _mesh_context(trace_mesh, abstract=True):
+            try:
+                program = trace(info.fn, args, static_argnums=info.static_argnums,
+                                arg_names=names)
+            except ValueError as e:
+                if "is not found in mesh" not in str(e):  # JAX's words for an unknown axis
+                    raise
+                raise StrategyError(
+                    f"{info.api}: a sharding constraint in the function names a mesh axis "
+                    f"the plan's mesh {MeshShape.of(trace_mesh)} does not have ({e}). A bare "
+                    f"PartitionSpec refers to the plan's mesh: use its axis names, or pass "
+                    f"mesh=... with the axes the function uses.") from e
             batch = None
             if settings.mode is ParallelMode.DATA_PARALLEL or (
                     settings.mode is not ParallelMode.STAND_ALONE
@@ -256,6 +276,19 @@ class Parallelized:
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
                          static_argnums=info.static_argnums, donate_argnums=info.donate_argnums)
         return jitted, flat_in
+
+
+@contextlib.contextmanager
+def _mesh_context(mesh: Mesh, *, abstract: bool = False) -> Iterator[None]:
+    """``mesh`` as JAX's context mesh: ``with_sharding_constraint(x, P(...))`` in the user's
+    function then needs no ``jax.set_mesh`` of its own.  Tracing needs only the abstract mesh;
+    eager execution (PyNative) the devices too."""
+    if abstract:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    else:
+        with jax.set_mesh(mesh):
+            yield
 
 
 def _place(x: Any, sharding: Any) -> Any:

@@ -242,13 +242,15 @@ def constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]:
         if node.kind != "op" or node.name != "sharding_constraint":
             continue
         sharding = node.eqn.params["sharding"]
-        smesh = getattr(sharding, "mesh", None)
-        if smesh is None or tuple(smesh.axis_names) != mesh.names or \
-                tuple(smesh.devices.shape) != mesh.sizes:
+        smesh = getattr(sharding, "mesh", None)  # a Mesh, or an AbstractMesh for a bare P
+        shape = None if smesh is None else MeshShape(
+            tuple(smesh.axis_names), tuple(int(s) for s in smesh.axis_sizes))
+        if shape != mesh:
             raise StrategyError(
                 f"{api}: the sharding constraint at {node.source} uses mesh "
-                f"{MeshShape.of(smesh) if smesh is not None else sharding}, but the program runs "
-                f"on mesh {mesh}. Build its NamedSharding on the same mesh, or use "
+                f"{shape if shape is not None else sharding}, but the program runs on mesh "
+                f"{mesh}. Give it a PartitionSpec over this mesh's axes (a bare PartitionSpec "
+                f"refers to the plan's mesh) or a NamedSharding on the same mesh, or use "
                 f"jaxpar.shard inside the function.")
         if node.eqn.params.get("unconstrained_dims"):
             continue

@@ -1,0 +1,86 @@
+"""The edges a new user hits first: every input error a JaxparError naming the fix, empty
+arrays, bare PartitionSpecs in sharding constraints."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+
+
+def _f(x, w):
+    return x @ w
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"batch_argnums": 2}, r"batch_argnums=\(2,\) names argument 2.*takes 2 positional"),
+    ({"donate_argnums": (0, 5)}, r"donate_argnums=\(0, 5\) names argument 5.*\(x, w\)"),
+    ({"static_argnums": -3}, r"static_argnums=\(-3,\).*from 0 to 1 \(or -2 to -1\)"),
+    ({"batch_argnums": "x"}, "must be an int or a sequence of ints"),
+    ({"static_argnums": 1, "donate_argnums": 1}, r"\[1\] are in both static_argnums and donate"),
+    ({"parallel_mode": "auto"}, "is not one of"),
+    ({"search_mode": "fast"}, "is not one of"),
+    ({"hardware": "h100"}, "HardwareProfile"),
+    ({"parameter_plan": [("w", (1, 4))]}, "parameter_plan must be a dict"),
+])
+def test_parallelize_arguments_are_checked_when_given(options, message):
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        jaxpar.parallelize(_f, **options)
+
+
+def test_argnums_of_a_function_with_varargs_are_checked_at_the_call():
+    def g(*xs):
+        return xs[0]
+
+    f = jaxpar.parallelize(g, parallel_mode="stand_alone", donate_argnums=3)
+    with pytest.raises(jaxpar.JaxparError, match=r"donate_argnums=\(3,\).*called with 1"):
+        f(jnp.ones(2))
+    with pytest.raises(jaxpar.JaxparError, match="counts from the end"):
+        jaxpar.parallelize(g, static_argnums=-1)
+
+
+def test_negative_static_argnums_count_from_the_end():
+    f = jaxpar.parallelize(lambda x, n: x * n, parallel_mode="stand_alone", static_argnums=-1)
+    assert f(jnp.ones(2), 3).tolist() == [3.0, 3.0]
+
+
+# -- with_sharding_constraint(x, P(...)) in the function pins, with or without a mesh context --
+def _constrained(x, w):
+    h = jax.lax.with_sharding_constraint(x @ w, P("dp", "mp"))
+    return jnp.tanh(h)
+
+
+@pytest.mark.parametrize("context", ["none", "set_mesh"])
+def test_bare_partition_spec_constraint_is_a_pin(context):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(_constrained, mesh=mesh, parallel_mode="semi_auto_parallel")
+    x, w = jnp.arange(128.0).reshape(8, 16) / 100, jnp.ones((16, 32)) / 16
+    with jax.set_mesh(mesh) if context == "set_mesh" else contextlib.nullcontext():
+        out = f(x, w)
+        plan = f.plan(x, w)
+    np.testing.assert_allclose(out, jnp.tanh(x @ w), rtol=1e-6)
+    assert out.sharding.spec == P("dp", "mp")  # propagated from the only pin
+    assert [d.origin for d in plan.decisions if d.name == "sharding_constraint"] == ["shard"]
+
+
+def test_bare_partition_spec_constraint_in_stand_alone_and_pynative():
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+    with jaxpar.auto_parallel_context(mesh=mesh):
+        assert jaxpar.parallelize(_constrained, parallel_mode="stand_alone")(x, w).shape == (8, 32)
+    jaxpar.set_context(mode=jaxpar.PYNATIVE_MODE)
+    f = jaxpar.parallelize(_constrained, mesh=mesh, parallel_mode="semi_auto_parallel")
+    np.testing.assert_allclose(f(x, w), jnp.tanh(x @ w), rtol=1e-6)
+
+
+def test_constraint_on_axes_the_plan_mesh_lacks_is_a_jaxpar_error():
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    f = jaxpar.parallelize(_constrained, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((8, 1), None))
+    with pytest.raises(jaxpar.JaxparError, match="names a mesh axis.*bare PartitionSpec"):
+        f(jnp.ones((8, 16)), jnp.ones((16, 32)))
+
