@@ -84,3 +84,23 @@ def test_constraint_on_axes_the_plan_mesh_lacks_is_a_jaxpar_error():
     with pytest.raises(jaxpar.JaxparError, match="names a mesh axis.*bare PartitionSpec"):
         f(jnp.ones((8, 16)), jnp.ones((16, 32)))
 
+
+# -- empty arrays: the plan of an empty batch is the plan, and the result jax.jit's -----------
+def _loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+@pytest.mark.parametrize(("mode", "options"), [
+    ("semi_auto_parallel", {"in_strategy": ((1, 4), (2, 1))}),
+    ("data_parallel", {"batch_argnums": 1}),
+    ("auto_parallel", {}),
+])
+@pytest.mark.parametrize("x_shape", [(0, 16), (8, 0)])
+def test_empty_arrays_give_jits_result(mode, options, x_shape):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    step = jax.value_and_grad(_loss)
+    f = jaxpar.parallelize(step, mesh=mesh, parallel_mode=mode, **options)
+    w, x = jnp.ones((x_shape[1], 32)), jnp.ones(x_shape)
+    (loss, grad), (want_loss, want_grad) = f(w, x), jax.jit(step)(w, x)
+    assert loss == want_loss and grad.shape == want_grad.shape
+    np.testing.assert_array_equal(grad, want_grad)

@@ -227,7 +227,18 @@ def baseline_pins(program: TracedProgram, space: SearchSpace, batch: Sequence[in
 
 
 def pin(space: SearchSpace, nid: int, side: str, spec: Spec, origin: str, *, api: str) -> Pin:
-    """Node ``nid`` fixed to the strategy whose operand or result 0 (``side``) is ``spec``."""
+    """Node ``nid`` fixed to the strategy whose operand or result 0 (``side``) is ``spec``.
+
+    A dimension of size 0 holds nothing to split (the rules never split one): its mesh axes
+    are dropped, as ``jax.jit`` returns the same empty array whatever its layout.
+    """
+    graph = space.graph
+    node = graph.nodes[nid]
+    shape = (graph.values[node.outputs[0]].shape if side == "out"
+             else graph.operand_shape(node.inputs[0]))
+    if 0 in shape:
+        spec = Spec(tuple(() if n == 0 else axes for n, axes in zip(shape, spec.dims,
+                                                                       strict=True)))
     strategy = strategy_for_specs(space.rule(nid), {(side, 0): spec}, space.model.mesh)
     if strategy is None:  # normalisation checked divisibility; this is a jaxpar bug
         raise PlanError(f"{api}: internal error pinning node {nid} to {spec}.")
