@@ -104,3 +104,32 @@ def test_empty_arrays_give_jits_result(mode, options, x_shape):
     (loss, grad), (want_loss, want_grad) = f(w, x), jax.jit(step)(w, x)
     assert loss == want_loss and grad.shape == want_grad.shape
     np.testing.assert_array_equal(grad, want_grad)
+
+
+# -- HardwareProfile: numbers checked when made, axis names when the profile meets a mesh -----
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"flops_per_s": -1.0}, "flops_per_s must be a positive number, got -1.0.*FLOP/s"),
+    ({"flops_per_s": "fast"}, "flops_per_s must be a positive number, got 'fast'"),
+    ({"memory_per_device": float("nan")}, "memory_per_device must be a positive number"),
+    ({"inter_node_bandwidth": 0}, "inter_node_bandwidth must be a positive number.*bytes/s"),
+    ({"axis_bandwidth": {"dp": 0.0}}, r"axis_bandwidth\['dp'\] must be a positive number"),
+    ({"axis_bandwidth": {"dp": "fast"}}, r"axis_bandwidth\['dp'\] must be a positive"),
+    ({"axis_latency": {"dp": -1e-6}}, r"axis_latency\['dp'\] must be a non-negative number"),
+    ({"axis_latency": [1, 2]}, "axis_latency must be a dict from mesh axis names"),
+    ({"intra_node_latency": float("nan")}, "intra_node_latency must be a non-negative"),
+    ({"devices_per_node": 0}, "devices_per_node must be a positive int"),
+    ({"devices_per_node": 2.5}, "devices_per_node must be a positive int"),
+    ({"preset": ["h100"]}, "unknown preset"),
+])
+def test_hardware_profile_numbers_are_checked(fields, message):
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        jaxpar.HardwareProfile(**fields)
+
+
+def test_hardware_profile_axis_names_are_checked_against_the_mesh():
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    hw = jaxpar.HardwareProfile(preset="h100", axis_bandwidth={"mpp": 1e9}, axis_latency={})
+    f = jaxpar.parallelize(_f, mesh=mesh, parallel_mode="auto_parallel", hardware=hw)
+    with pytest.raises(jaxpar.JaxparError, match="names mesh axis 'mpp'.*did you mean 'mp'"):
+        f(jnp.ones((8, 16)), jnp.ones((16, 8)))
+    assert jaxpar.HardwareProfile(axis_latency={"dp": 0.0}).axis_latency == (("dp", 0.0),)

@@ -199,6 +199,7 @@ class Parallelized:
                     and settings.dataset_strategy != "data_parallel"):
                 batch = self._batch(args, program, names)
         t1 = time.perf_counter()
+        settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
