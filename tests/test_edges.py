@@ -2,6 +2,7 @@
 arrays, bare PartitionSpecs in sharding constraints."""
 
 import contextlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,18 @@ def test_hardware_profile_axis_names_are_checked_against_the_mesh():
     with pytest.raises(jaxpar.JaxparError, match="names mesh axis 'mpp'.*did you mean 'mp'"):
         f(jnp.ones((8, 16)), jnp.ones((16, 8)))
     assert jaxpar.HardwareProfile(axis_latency={"dp": 0.0}).axis_latency == (("dp", 0.0),)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"enable_ps": "yes"}, "enable_ps='yes' must be True or False"),
+    ({"checkpoint_dir": 123}, "checkpoint_dir=123 must be a directory path"),
+    ({"checkpoint_every": True, "checkpoint_dir": "/tmp/x"}, "must be an int >= 0"),
+])
+def test_ps_context_options_are_checked(options, message):
+    from jaxpar import ps
+
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        ps.set_ps_context(**options)
+    ps.set_ps_context(checkpoint_dir=Path("/tmp/ps"))
+    assert ps.get_ps_context("checkpoint_dir") == "/tmp/ps"
+    ps.reset_ps_context()

@@ -46,6 +46,15 @@ class PSConfig:
         def bad(key: str, why: str) -> ContextError:
             return ContextError(f"set_ps_context: {key}={getattr(self, key)!r} {why}.")
 
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not isinstance(self.enable_ps, bool):
+            raise bad("enable_ps", "must be True or False")
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+                raise bad("checkpoint_dir", "must be a directory path (a str), or None")
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         for key in ("server_num", "worker_num"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -54,14 +63,14 @@ class PSConfig:
             raise bad("mode", f"is not one of {list(MODES)}")
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise bad("on_worker_failure", f"is not one of {list(FAILURE_POLICIES)}")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
+        if self.max_staleness is not None and (not is_int(self.max_staleness)
                                                or self.max_staleness < 0):
             raise bad("max_staleness", "must be None or an int >= 0")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+        if not is_int(self.checkpoint_every) or self.checkpoint_every < 0:
             raise bad("checkpoint_every", "must be an int >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise bad("checkpoint_every", "needs checkpoint_dir: where the servers write")
-        if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+        if not is_int(self.max_worker_restarts) or self.max_worker_restarts < 0:
             raise bad("max_worker_restarts", "must be an int >= 0")
 
 
