@@ -149,3 +149,45 @@ def test_ps_context_options_are_checked(options, message):
     ps.set_ps_context(checkpoint_dir=Path("/tmp/ps"))
     assert ps.get_ps_context("checkpoint_dir") == "/tmp/ps"
     ps.reset_ps_context()
+
+
+# -- plan files ----------------------------------------------------------------------------------
+def test_plan_file_errors_name_the_file_and_the_fix(tmp_path):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    traced = []
+
+    def g(x, w):
+        traced.append(1)
+        return _f(x, w)
+
+    f = jaxpar.parallelize(g, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((2, 1), (1, 4)))
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 8))
+    with jaxpar.auto_parallel_context(strategy_ckpt_save_file=str(tmp_path / "no" / "p.json")):
+        with pytest.raises(jaxpar.PlanError, match="strategy_ckpt_save_file: cannot save.*'"
+                           + str(tmp_path / "no") + "' does not exist"):
+            f(x, w)
+    assert not traced  # refused before tracing and planning
+    path = tmp_path / "plan.json"
+    with jaxpar.auto_parallel_context(strategy_ckpt_save_file=str(path)):
+        f(x, w)
+    with jaxpar.auto_parallel_context(strategy_ckpt_load_file=str(path)):
+        with pytest.raises(jaxpar.PlanError, match=r"does not match this program: argument 'x' "
+                           r"has shape \[16, 16\] here but \[8, 16\] in the file.*afresh"):
+            f(jnp.ones((16, 16)), w)
+    path.write_text(path.read_text()[:100])
+    with jaxpar.auto_parallel_context(strategy_ckpt_load_file=str(path)):
+        with pytest.raises(jaxpar.PlanError, match=f"plan file '{path}' is not a plan file: it "
+                           "is not JSON"):
+            f(x, w)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[1, 2]", "holds a JSON list"),
+    ('{"format": "jaxpar.plan/2"}', "not a well-formed jaxpar.plan/2 plan .missing key 'mesh'"),
+    ('{"format": "jaxpar.plan/2", "mesh": {"names": 3, "sizes": []}}', "TypeError"),
+    ('{"format": "other"}', "not a plan file of format"),
+])
+def test_plan_from_json_of_another_structure(text, message):
+    with pytest.raises(jaxpar.PlanError, match=message):
+        jaxpar.ShardingPlan.from_json(text)

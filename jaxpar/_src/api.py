@@ -31,6 +31,7 @@ from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, gather_pins
 from jaxpar._src.plan import ShardingPlan, make_plan
+from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
@@ -178,6 +179,8 @@ class Parallelized:
     def _build(self, args: tuple, settings: Settings) -> Compiled:
         info = self._info
         t0 = time.perf_counter()
+        if settings.ckpt_save:  # before planning, not after it
+            check_save_path(settings.ckpt_save, f"{info.api}: strategy_ckpt_save_file")
         names = info.arg_names(len(args))
         mesh = settings.mesh
         trace_mesh = self._trace_mesh(settings)

@@ -276,18 +276,20 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        from jaxpar._src.plan_json import plan_from_dict
+        from jaxpar._src.plan_files import plan_from_json
 
-        return plan_from_dict(json.loads(text))
+        return plan_from_json(text)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        from jaxpar._src.plan_files import save_plan
+
+        save_plan(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ShardingPlan:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        from jaxpar._src.plan_files import load_plan
+
+        return load_plan(path)
 
 
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
