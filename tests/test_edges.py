@@ -191,3 +191,17 @@ def test_plan_file_errors_name_the_file_and_the_fix(tmp_path):
 def test_plan_from_json_of_another_structure(text, message):
     with pytest.raises(jaxpar.PlanError, match=message):
         jaxpar.ShardingPlan.from_json(text)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"in_strategy": ((2.0, 1), None)}, r"in_strategy: slice counts are ints, but \(2.0, 1\) "
+                                        r"has 2.0 \(a float\). Use \(2, 1\)."),
+    ({"in_strategy": ((np.int64(2), 1), None)}, r"has np.int64\(2\) \(a int64\). Use \(2, 1\)"),
+    ({"in_strategy": ((2, 1), None), "out_strategy": (True, 1)}, r"out_strategy: .*\(a bool\)\.$"),
+    ({"parameter_plan": {"w": (1, 4.0)}}, r"parameter_plan\['w'\]: slice counts are ints"),
+])
+def test_float_slice_counts_say_slice_counts_are_ints(options, message):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(_f, mesh=mesh, parallel_mode="semi_auto_parallel", **options)
+    with pytest.raises(jaxpar.StrategyError, match=message):
+        f(jnp.ones((8, 16)), jnp.ones((16, 8)))

@@ -15,6 +15,7 @@ parallel's, the yardstick of the automatic searches.
 from __future__ import annotations
 
 import fnmatch
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,8 +43,36 @@ def leaf_names(args: Sequence[Any], arg_names: Sequence[str]) -> list[tuple[int,
     return out
 
 
+def check_slice_counts(strategy: Any, *, where: str) -> None:
+    """Raises on a tuple of numbers that are not all ints anywhere in a strategy tree: ``(2.0,
+    1)`` would otherwise be read as a tree of two leaves and fail as a structure mismatch.
+
+    >>> check_slice_counts({"w": (2.0, 1)}, where="f")
+    Traceback (most recent call last):
+    ...
+    jaxpar._src.errors.StrategyError: f: slice counts are ints, but (2.0, 1) has 2.0 (a \
+float). Use (2, 1).
+    """
+    if is_strategy_leaf(strategy):
+        return
+    if isinstance(strategy, tuple) and strategy and all(
+            isinstance(v, numbers.Number) for v in strategy):
+        bad = next(v for v in strategy if isinstance(v, bool) or not isinstance(v, int))
+        fixed = tuple(int(v) if isinstance(v, numbers.Real) and float(v).is_integer() else v
+                      for v in strategy)
+        hint = f" Use {fixed}." if is_strategy_leaf(fixed) and not any(
+            isinstance(v, bool) for v in strategy) else ""
+        raise StrategyError(f"{where}: slice counts are ints, but {strategy!r} has {bad!r} (a "
+                            f"{type(bad).__name__}).{hint}")
+    children = (strategy.values() if isinstance(strategy, Mapping) else
+                strategy if isinstance(strategy, (tuple, list)) else ())
+    for child in children:
+        check_slice_counts(child, where=where)
+
+
 def expand_tree(strategy: Any, tree: Any, *, where: str) -> list[Any]:
     """One strategy per leaf of ``tree``, from a strategy or a prefix tree of strategies."""
+    check_slice_counts(strategy, where=where)
     n = len(jax.tree.leaves(tree))
     if is_strategy_leaf(strategy):
         return [strategy] * n
@@ -73,6 +102,7 @@ def argument_strategies(in_strategy: Any, args: Sequence[Any], arg_names: Sequen
     n_leaves = len(jax.tree.leaves(list(args)))
     if in_strategy is None:
         return [None] * n_leaves
+    check_slice_counts(in_strategy, where=f"{api}: in_strategy")
     entries = in_strategy
     if is_strategy_leaf(in_strategy):
         if len(args) != 1:
@@ -112,6 +142,7 @@ def parameter_plan_strategies(parameter_plan: Mapping[str, Any] | None,
     if not parameter_plan:
         return out
     for pattern, strategy in parameter_plan.items():
+        check_slice_counts(strategy, where=f"{api}: parameter_plan[{pattern!r}]")
         hits = [k for k, name in enumerate(names) if _matches(pattern, name)]
         if not hits:
             shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
