@@ -205,3 +205,17 @@ def test_float_slice_counts_say_slice_counts_are_ints(options, message):
     f = jaxpar.parallelize(_f, mesh=mesh, parallel_mode="semi_auto_parallel", **options)
     with pytest.raises(jaxpar.StrategyError, match=message):
         f(jnp.ones((8, 16)), jnp.ones((16, 8)))
+
+
+def test_model_train_on_data_without_a_label_column_says_so():
+    import optax
+
+    params = {"w": jnp.zeros((4, 2))}
+    model = jaxpar.Model((params, lambda p, x: x @ p["w"]),
+                         loss_fn=lambda out, y: jnp.mean((out - y) ** 2), optimizer=optax.sgd(0.1))
+    data = jaxpar.dataset.NumpySlicesDataset(np.ones((8, 4), np.float32),
+                                             column_names=["image"]).batch(4)
+    with pytest.raises(jaxpar.DatasetError, match=r"Model.train: .*column \['image'\].*label"):
+        model.train(1, data)
+    with pytest.raises(jaxpar.DatasetError, match="Model.eval: .*1 column"):
+        model.eval([(np.ones((4, 4), np.float32),)])
