@@ -219,3 +219,15 @@ def test_model_train_on_data_without_a_label_column_says_so():
         model.train(1, data)
     with pytest.raises(jaxpar.DatasetError, match="Model.eval: .*1 column"):
         model.eval([(np.ones((4, 4), np.float32),)])
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel", "auto_parallel"])
+def test_gradients_mean_false_is_refused_in_every_parallel_mode(mode):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(_f, mesh=mesh, parallel_mode=mode, batch_argnums=0,
+                           in_strategy=None if mode == "data_parallel" else ((2, 1), None))
+    with jaxpar.auto_parallel_context(gradients_mean=False):
+        with pytest.raises(jaxpar.ContextError, match="gradients_mean=False.*Scale the loss"):
+            f(jnp.ones((8, 16)), jnp.ones((16, 8)))
+        stand_alone = jaxpar.parallelize(_f, parallel_mode="stand_alone")
+        assert stand_alone(jnp.ones((8, 16)), jnp.ones((16, 8))).shape == (8, 8)

@@ -130,7 +130,7 @@ class Parallelized:
                 n = ctx.device_num or len(jax.devices())
                 mesh = make_mesh((n,), ("devices",))
         check_auto_axes(mesh, info.api)
-        if mode is ParallelMode.DATA_PARALLEL and not ctx.gradients_mean:
+        if mode is not ParallelMode.STAND_ALONE and not ctx.gradients_mean:
             raise ContextError(
                 f"{info.api}: gradients_mean=False asks for the sum of per-device gradients, "
                 f"but a JAX program sees the global batch: its gradients are the device mean "
