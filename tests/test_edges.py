@@ -231,3 +231,63 @@ def test_gradients_mean_false_is_refused_in_every_parallel_mode(mode):
             f(jnp.ones((8, 16)), jnp.ones((16, 8)))
         stand_alone = jaxpar.parallelize(_f, parallel_mode="stand_alone")
         assert stand_alone(jnp.ones((8, 16)), jnp.ones((16, 8))).shape == (8, 8)
+
+
+# -- parameter_plan names: what users write for NNX and Linen ----------------------------------
+@pytest.fixture(scope="module")
+def nnx_state():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+            self.fc2 = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(jax.nn.relu(self.fc1(x)))
+
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+    return graphdef, state
+
+
+@pytest.mark.parametrize(("plan", "pinned"), [
+    ({"*.kernel": (1, 4)}, {"fc1.kernel", "fc2.kernel"}),
+    ({"fc1.kernel": (1, 4)}, {"fc1.kernel"}),
+    ({"state.fc1.kernel.value": (1, 4)}, {"fc1.kernel"}),
+    ({"*kernel.value": (1, 4)}, {"fc1.kernel", "fc2.kernel"}),
+    ({"FC2.Kernel": (4, 1)}, {"fc2.kernel"}),  # case-insensitive when nothing matches exactly
+])
+def test_parameter_plan_accepts_nnx_names_with_and_without_value(nnx_state, plan, pinned):
+    from flax import nnx
+
+    graphdef, state = nnx_state
+
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(apply, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           parameter_plan=plan)
+    assert _pinned(f.plan(state, jnp.ones((8, 16)))) == {f"state.{n}.value" for n in pinned}
+
+
+def _pinned(plan):
+    """The argument leaves the user's strategies fixed."""
+    return {plan.decisions[n].label for n in plan.inputs
+            if plan.decisions[n].origin == "in_strategy"}
+
+
+def test_parameter_plan_accepts_linen_names_and_lists_close_matches():
+    import flax.linen as nn
+
+    model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(16)])
+    variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(model.apply, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           parameter_plan={"layers_0.kernel": (1, 4)})
+    assert _pinned(f.plan(variables, jnp.ones((8, 16)))) == {"variables.params.layers_0.kernel"}
+    f = jaxpar.parallelize(model.apply, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           parameter_plan={"layers_0.kernal": (1, 4)})
+    with pytest.raises(jaxpar.StrategyError, match="names no parameter. Closest: "
+                       "'layers_0.kernel'.*Parameters are: layers_0.bias"):
+        f(variables, jnp.ones((8, 16)))

@@ -14,6 +14,7 @@ parallel's, the yardstick of the automatic searches.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import numbers
 from collections.abc import Mapping, Sequence
@@ -137,26 +138,58 @@ def output_strategies(out_strategy: Any, out_shapes: Any, *, api: str) -> list[A
 
 def parameter_plan_strategies(parameter_plan: Mapping[str, Any] | None,
                               names: Sequence[str], *, api: str) -> list[Any]:
-    """Raw strategy per leaf named in ``names`` from name patterns; unmatched keys raise."""
+    """Raw strategy per leaf named in ``names`` from name patterns; unmatched keys raise.
+
+    A key matches a leaf by any of the names a user writes for it (see :func:`name_forms`),
+    case-sensitively, else case-insensitively; a key that matches nothing lists the closest
+    names.
+    """
     out: list[Any] = [None] * len(names)
     if not parameter_plan:
         return out
+    forms = [name_forms(name) for name in names]
     for pattern, strategy in parameter_plan.items():
         check_slice_counts(strategy, where=f"{api}: parameter_plan[{pattern!r}]")
-        hits = [k for k, name in enumerate(names) if _matches(pattern, name)]
+        hits = [k for k, f in enumerate(forms) if any(fnmatch.fnmatchcase(n, pattern) for n in f)]
         if not hits:
-            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-            raise StrategyError(
-                f"{api}: parameter_plan key {pattern!r} names no parameter. Parameters are: "
-                f"{shown}. Use one of these names or a glob pattern such as '*.kernel'.")
+            lower = pattern.lower()
+            hits = [k for k, f in enumerate(forms)
+                    if any(fnmatch.fnmatchcase(n.lower(), lower) for n in f)]
+        if not hits:
+            raise StrategyError(_unmatched(pattern, names, forms, api))
         for k in hits:
             out[k] = strategy
     return out
 
 
-def _matches(pattern: str, name: str) -> bool:
-    short = name.split(".", 1)[1] if "." in name else name
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(short, pattern)
+def name_forms(name: str) -> list[str]:
+    """The names a user may write for the array at dotted path ``name``: the path, the path
+    without its argument's name, and each of these without NNX's trailing ``.value`` (an
+    ``nnx.split`` state) and without Linen's ``params`` collection.
+
+    >>> name_forms("state.fc1.kernel.value")
+    ['state.fc1.kernel.value', 'fc1.kernel.value', 'state.fc1.kernel', 'fc1.kernel']
+    >>> name_forms("variables.params.Dense_0.kernel")[-1]
+    'Dense_0.kernel'
+    """
+    out = [name]
+    if "." in name:
+        out.append(name.split(".", 1)[1])
+    out += [n[: -len(".value")] for n in out if n.endswith(".value")]
+    out += [n[len("params."):] for n in out if n.startswith("params.")]
+    return list(dict.fromkeys(out))
+
+
+def _unmatched(pattern: str, names: Sequence[str], forms: Sequence[list[str]], api: str) -> str:
+    short = {f[-1]: name for name, f in zip(names, forms, strict=True)}
+    close = difflib.get_close_matches(pattern, list(short), n=5, cutoff=0.5)
+    close_text = f" Closest: {', '.join(repr(c) for c in close)}." if close else ""
+    limit = 40
+    listed = ", ".join(list(short)[:limit])
+    more = f", ... ({len(short)} in all)" if len(short) > limit else ""
+    return (f"{api}: parameter_plan key {pattern!r} names no parameter.{close_text} Parameters "
+            f"are: {listed}{more}. Use one of these names (the argument's name, NNX's '.value' "
+            f"and Linen's 'params.' may be left out) or a glob pattern such as '*.kernel'.")
 
 
 def normalize_all(raw: Sequence[Any], shapes: Sequence[tuple[int, ...]],
