@@ -29,8 +29,8 @@ import numpy as np
 from jaxpar._src.compat import manual_axes, varying_axes
 from jaxpar._src.context import current_context
 from jaxpar._src.errors import ContextError
-from jaxpar._src.fusion import allreduce_fusion, buckets
 from jaxpar._src.tracing_state import count_reducer_call, replica_axes, tracing_mesh
+from jaxpar._src.train.buckets import allreduce_fusion, buckets
 
 
 class DistributedGradReducer:
