@@ -23,16 +23,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## Auto-parallelise a GPT-style Flax model on 8 emulated CPU devices.
 	$(PY) examples/gpt_semi_auto.py
 
-test: $(STAMP)  ## Run the whole suite: lint, unit tests, doctests, examples and notebooks.
+test: $(STAMP)  ## Run the whole suite: lint, types, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
 	$(MAKE) --no-print-directory notebooks
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
-lint: $(STAMP)  ## Static checks (ruff).
+lint: $(STAMP)  ## Static checks: ruff, and mypy for types (configured in pyproject.toml).
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmake.
 	mkdir -p build/notebooks

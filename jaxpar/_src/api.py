@@ -122,6 +122,7 @@ class Parallelized:
         mode = info.mode if info.mode is not None else ctx.parallel_mode
         search = info.search_mode or ctx.search_mode
         hardware = info.hardware or ctx.hardware or HardwareProfile()
+        mesh: Mesh | None
         if mode is ParallelMode.STAND_ALONE:
             mesh = single_device_mesh()
         else:

@@ -158,7 +158,7 @@ def _argnums(x: Sequence[int] | int | None, what: str, count: int | None,
     known (as ``jax.jit`` checks them against the signature)."""
     if x is None:
         return None
-    nums = (x,) if isinstance(x, int) else x
+    nums: Any = (x,) if isinstance(x, int) else x
     try:
         nums = tuple(nums)
     except TypeError:

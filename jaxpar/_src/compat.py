@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
+_siu: Any
+_trace_context: Any
 try:  # JAX 0.4.30+ keeps this module at the same path through 0.11.
     from jax._src import source_info_util as _siu
 except ImportError:  # pragma: no cover - a future JAX that moved it
@@ -77,7 +79,7 @@ def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
 def _eqn_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
     ctx = getattr(eqn, "ctx", None)
     manager = getattr(ctx, "manager", None) if ctx is not None else None
-    user_ctx = contextlib.nullcontext()
+    user_ctx: Any = contextlib.nullcontext()
     if _siu is not None and hasattr(_siu, "user_context"):
         name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
         user_ctx = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)

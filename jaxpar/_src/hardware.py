@@ -61,7 +61,7 @@ _LATENCIES = ("intra_node_latency", "inter_node_latency")
 def _check_number(name: str, value: Any, *, positive: bool) -> None:
     """A real number, not NaN, > 0 (rates, sizes) or >= 0 (latencies); inf is allowed."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(
-        value) and (value > 0 if positive else value >= 0)
+        value) and (float(value) > 0 if positive else float(value) >= 0)
     if not ok:
         unit = next((u for key, u in _UNITS.items() if key in name), "")
         raise ContextError(

@@ -73,7 +73,7 @@ class Collectives(tuple):
     def of(self, kind: str) -> Collectives:
         return Collectives(r for r in self if r.kind == kind)
 
-    def count(self, kind: str | None = None) -> int:  # type: ignore[override]
+    def count(self, kind: str | None = None) -> int:
         """How many collectives run per call (loop trip counts included)."""
         return sum(r.count for r in self if kind is None or r.kind == kind)
 
@@ -224,7 +224,9 @@ def _split_tuple(type_str: str) -> list[str]:
     if not s.startswith("("):
         return [s]
     s = re.sub(r"/\*.*?\*/", "", s[1:-1])
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in s:
         if ch in "([{":
             depth += 1

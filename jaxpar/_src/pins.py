@@ -59,7 +59,7 @@ float). Use (2, 1).
     if isinstance(strategy, tuple) and strategy and all(
             isinstance(v, numbers.Number) for v in strategy):
         bad = next(v for v in strategy if isinstance(v, bool) or not isinstance(v, int))
-        fixed = tuple(int(v) if isinstance(v, numbers.Real) and float(v).is_integer() else v
+        fixed = tuple(int(float(v)) if isinstance(v, numbers.Real) and float(v).is_integer() else v
                       for v in strategy)
         hint = f" Use {fixed}." if is_strategy_leaf(fixed) and not any(
             isinstance(v, bool) for v in strategy) else ""
@@ -226,18 +226,18 @@ def gather_pins(info: ParallelizeInfo, args: Sequence[Any], program: TracedProgr
         return pins
     if mode is ParallelMode.DATA_PARALLEL:
         assert batch is not None  # the caller infers it in this mode
-        specs = batch_specs(program, batch, mshape, in_shapes, api=api)
-        for nid, spec in zip(graph.inputs, specs, strict=True):
-            pins.append(pin(space, nid, "out", spec, "data_parallel", api=api))
+        batch_layouts = batch_specs(program, batch, mshape, in_shapes, api=api)
+        for nid, layout in zip(graph.inputs, batch_layouts, strict=True):
+            pins.append(pin(space, nid, "out", layout, "data_parallel", api=api))
     if isinstance(dataset_strategy, tuple):
         assert batch is not None
         tiles = dataset_specs(program, batch, dataset_strategy, mesh, in_shapes, in_dtypes,
                               api=api)
         by_node = {p.node: k for k, p in enumerate(pins)}
-        for nid, spec in zip(graph.inputs, tiles, strict=True):
-            if spec is None:
+        for nid, tile_spec in zip(graph.inputs, tiles, strict=True):
+            if tile_spec is None:
                 continue
-            tile = pin(space, nid, "out", spec, "dataset_strategy", api=api)
+            tile = pin(space, nid, "out", tile_spec, "dataset_strategy", api=api)
             if nid in by_node:
                 pins[by_node[nid]] = tile
             else:
@@ -271,9 +271,9 @@ def gather_pins(info: ParallelizeInfo, args: Sequence[Any], program: TracedProgr
     out_dtypes = [graph.operand_dtype(graph.nodes[n].inputs[0]) for n in out_nodes]
     out_specs = normalize_all(out_raw, out_shapes, out_dtypes, mesh,
                               [f"{api}: out_strategy for {p}" for p in program.out_paths])
-    for nid, spec in zip(out_nodes, out_specs, strict=True):
-        if spec is not None:
-            pins.append(pin(space, nid, "in", spec, "out_strategy", api=api))
+    for nid, out_spec in zip(out_nodes, out_specs, strict=True):
+        if out_spec is not None:
+            pins.append(pin(space, nid, "in", out_spec, "out_strategy", api=api))
     pins.extend(constraint_pins(space, mshape, api))
     return pins
 
@@ -329,9 +329,10 @@ def constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]:
                 f"jaxpar.shard inside the function.")
         if node.eqn.params.get("unconstrained_dims"):
             continue
-        spec = Spec.from_partition_spec(sharding.spec, len(graph.values[node.outputs[0]].shape))
-        strategy = strategy_for_specs(space.rule(node.id), {("in", 0): spec, ("out", 0): spec},
-                                      mesh)
+        pinned = Spec.from_partition_spec(sharding.spec,
+                                          len(graph.values[node.outputs[0]].shape))
+        strategy = strategy_for_specs(space.rule(node.id),
+                                      {("in", 0): pinned, ("out", 0): pinned}, mesh)
         if strategy is not None:
             pins.append(Pin(node.id, strategy, "shard"))
     return pins

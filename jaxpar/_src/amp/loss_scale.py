@@ -51,6 +51,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 class _Manager:
+    _initial: float  # the first loss scale
+
     def init(self) -> LossScaleState:
         return LossScaleState(jnp.asarray(self._initial, jnp.float32), jnp.asarray(0, jnp.int32))
 

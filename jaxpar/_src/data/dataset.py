@@ -95,8 +95,8 @@ class MapDataset(_Stage):
     def __init__(self, parent: Dataset, operations: Callable | Sequence[Callable],
                  input_columns: Any, output_columns: Any) -> None:
         super().__init__(parent)
-        self.operations = list(operations) if isinstance(operations, (list, tuple)) \
-            else [operations]
+        self.operations: list[Callable] = [operations] if callable(operations) \
+            else list(operations)
         if not self.operations or not all(callable(f) for f in self.operations):
             raise DatasetError(f"Dataset.map: operations must be callables, got {operations!r}.")
         inputs = _names(input_columns) or parent.column_names[:1]

@@ -20,7 +20,7 @@ its tile (``jax.make_array_from_callback``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -102,7 +102,7 @@ def to_global(batch: Any, mesh: Mesh | None = None, *, strategy: Any = None,
         else:
             sharding = column_sharding(local.shape, mesh, strategy, k)
             out.append(jax.make_array_from_callback(local.shape, sharding,
-                                                    lambda idx, a=local: a[idx]))
+                                                    local.__getitem__))
     return out[0] if single else tuple(out)
 
 
@@ -126,7 +126,8 @@ def process_shard(mesh: Mesh | None = None, *, strategy: Any = None) -> dict[str
     n = int(mesh.devices.size)
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     blocks: dict[int, set[int]] = {}
-    for device, index in sharding.devices_indices_map((n,)).items():
+    indices: Mapping[Any, Any] = sharding.devices_indices_map((n,))  # jax.Device -> slices
+    for device, index in indices.items():
         blocks.setdefault(device.process_index, set()).add(index[0].start or 0)
     groups = sorted({tuple(sorted(b)) for b in blocks.values()})
     mine = tuple(sorted(blocks[jax.process_index()]))

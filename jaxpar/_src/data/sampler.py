@@ -43,4 +43,4 @@ def shard_indices(n: int, num_shards: int | None = None, shard_id: int | None = 
     if num_shards is None:
         return order
     per = -(-n // num_shards)
-    return order[(np.arange(per) * num_shards + shard_id) % n]
+    return order[(np.arange(per) * num_shards + (shard_id or 0)) % n]

@@ -125,7 +125,7 @@ class GeneratorDataset(_Source):
         n = sum(1 for _ in self._items())  # a generator: count it
         if self.num_shards is None:
             return n
-        return len(range(self.shard_id, n, self.num_shards))
+        return len(range(self.shard_id or 0, n, self.num_shards))
 
     def _items(self) -> Iterator[Any]:
         source = self.source

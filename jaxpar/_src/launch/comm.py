@@ -27,6 +27,8 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
 
 import jax
 
@@ -96,7 +98,7 @@ def init(backend_name: str | None = None) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):  # pragma: no cover - a JAX without the option
         pass
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if env.local_device_ids is not None:
         kwargs["local_device_ids"] = list(env.local_device_ids)
     jax.distributed.initialize(
@@ -114,7 +116,7 @@ def _exit_at_once_on_crash() -> None:
     """After the traceback is printed, leave without the shutdown barrier of ``atexit``."""
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -120,7 +120,7 @@ def _resources(cpu: str | None, memory: str | None, gpu: int | None) -> dict[str
 # -- validation -------------------------------------------------------------------------------
 def validate(manifest: dict[str, Any]) -> None:
     """Raises :class:`ManifestError` listing every problem, or returns ``None``."""
-    kind = manifest.get("kind")
+    kind = str(manifest.get("kind"))
     schema_file = {"JAXJob": "jaxjob.schema.json", "TrainJob": "trainjob.schema.json"}.get(kind)
     if schema_file is None:
         raise ManifestError(f"jaxpar k8s: kind {kind!r} is not JAXJob or TrainJob.")

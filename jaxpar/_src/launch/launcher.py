@@ -165,7 +165,7 @@ class Launcher:
         c = self.config
         deadline = time.monotonic() + c.timeout if c.timeout else None
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        stop = {"signal": None}
+        stop: dict[str, int | None] = {"signal": None}
         failed_at: dict[int, float] = {}  # local rank -> when its failure was seen
 
         def on_signal(signum: int, frame: object) -> None:

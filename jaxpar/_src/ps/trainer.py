@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -259,11 +260,9 @@ class ParameterServerTrainer:
             if callable(batches) or isinstance(batches, WorkerReader):
                 raise PSError("train: give steps= when the batches come from a function.")
             steps = len(batches)
+        get: Callable[[int], Batch | WorkerReader]
         if isinstance(batches, WorkerReader):
-            reader = batches
-
-            def get(i: int) -> WorkerReader:
-                return reader
+            get = functools.partial(_same, batches)
         else:
             get = batches if callable(batches) else batches.__getitem__
         start = len(self.history)
@@ -276,7 +275,8 @@ class ParameterServerTrainer:
     def _step0(self) -> int:
         return self._ray.get(self.servers[0].stats.remote())["step"]
 
-    def _train_sync(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
+    def _train_sync(self, get: Callable[[int], Batch | WorkerReader], steps: int,
+                    callbacks: Sequence) -> None:
         base = self._step0()
         i = 0
         while i < steps:
@@ -303,8 +303,7 @@ class ParameterServerTrainer:
     def _split(self, batch: Batch | WorkerReader, i: int, n: int
                ) -> list[tuple[float, Any, int]]:
         """Batch ``i`` cut into ``n`` parts: ``(weight, data or ReadPart, samples)`` each."""
-        reading = isinstance(batch, WorkerReader)
-        size = batch.batch_size if reading else len(batch[0])
+        size = batch.batch_size if isinstance(batch, WorkerReader) else len(batch[0])
         if size < n:
             raise PSError(f"ParameterServerTrainer: a batch of {size} samples cannot be split "
                           f"across {n} workers.")
@@ -312,7 +311,7 @@ class ParameterServerTrainer:
         for p in range(n):
             cut = part_slice(size, p, n)
             rows = cut.stop - cut.start
-            data = ReadPart(batch.fn, i, p, n) if reading else \
+            data = ReadPart(batch.fn, i, p, n) if isinstance(batch, WorkerReader) else \
                 tuple(np.asarray(column)[cut] for column in batch)
             out.append((rows / size, data, rows))
         return out
@@ -340,7 +339,8 @@ class ParameterServerTrainer:
                 tasks[ref] = task
         return float(sum(parts[p][0] * losses[p] for p in losses))
 
-    def _train_async(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
+    def _train_async(self, get: Callable[[int], Batch | WorkerReader], steps: int,
+                     callbacks: Sequence) -> None:
         queue: collections.deque[tuple[int, float, Any, int]] = collections.deque()
         next_batch = 0
         in_flight: dict[Any, tuple[int, tuple[int, float, Any, int], int, Any]] = {}
@@ -440,3 +440,8 @@ class ParameterServerTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _same(value: WorkerReader, step: int) -> WorkerReader:
+    """Every step's batch when the workers read their own: the one reader."""
+    return value

@@ -84,7 +84,7 @@ class Model:
         self.metrics = _metrics(metrics)
         self.loss_scale_manager = loss_scale_manager
         self._opt_state = None
-        self._ls_state = None
+        self._ls_state: Any = None
         self._steps: dict[Any, Any] = {}
         self.history: list[float] = []  # every training step's loss
 

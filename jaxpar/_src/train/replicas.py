@@ -64,8 +64,8 @@ def per_replica(fn: Callable | None = None, *, batch_argnums: int | Sequence[int
     >>> rows(jnp.ones((16, 3))).tolist()  # 8 replicas of 2 rows each
     [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
     """
-    options = dict(batch_argnums=batch_argnums, static_argnums=static_argnums, mesh=mesh,
-                   donate_argnums=donate_argnums)
+    options: dict[str, Any] = dict(batch_argnums=batch_argnums, static_argnums=static_argnums,
+                                   mesh=mesh, donate_argnums=donate_argnums)
     if fn is None:
         return lambda f: PerReplica(f, **options)
     return PerReplica(fn, **options)
@@ -87,7 +87,7 @@ class PerReplica:
         self._static = _as_tuple(static_argnums) or ()
         self._donate = _as_tuple(donate_argnums) or ()
         self._mesh = mesh
-        self._cache: dict[Any, tuple[Callable, Callable]] = {}
+        self._cache: dict[Any, tuple[Any, Callable]] = {}
         try:
             self._names = [p for p in inspect.signature(fn).parameters]
         except (TypeError, ValueError):
@@ -120,7 +120,7 @@ class PerReplica:
                 f"dataset_strategy='data_parallel' / 'full_batch' here.")
         return mesh, ctx.dataset_strategy
 
-    def _compiled(self, args: tuple) -> tuple[Callable, Callable]:
+    def _compiled(self, args: tuple) -> tuple[Any, Callable]:
         """The jitted step and its eager form (for PYNATIVE_MODE)."""
         mesh, dataset_strategy = self._settings()
         key = (call_key(args, self._static, api=API, names=self._names), mesh, dataset_strategy)
@@ -133,7 +133,7 @@ class PerReplica:
         return self._names[i] if i < len(self._names) else f"arg{i}"
 
     def _build(self, args: tuple, mesh: Mesh, dataset_strategy: str
-               ) -> tuple[Callable, Callable]:
+               ) -> tuple[Any, Callable]:
         axes = tuple(mesh.axis_names)
         n = int(mesh.devices.size)
         dyn = [i for i in range(len(args)) if i not in self._static]
