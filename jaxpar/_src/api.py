@@ -68,7 +68,18 @@ class Compiled:
 
 
 class Parallelized:
-    """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it."""
+    """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> f = jaxpar.parallelize(lambda x: jnp.tanh(x) * 2, mesh=jaxpar.make_mesh((8,), ("d",)),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((8, 1),))
+    >>> x = jnp.ones((16, 4))
+    >>> f(x).shape, f.plan(x).input_layouts() == {"x": P("d")}
+    ((16, 4), True)
+    >>> len(jaxpar.inspect.collectives(f.lower(x)))  # rows apart: nothing to communicate
+    0
+    """
 
     def __init__(self, fn: Callable, *, mesh: Mesh | None, parallel_mode: Any,
                  search_mode: str | None, in_strategy: Any, out_strategy: Any,

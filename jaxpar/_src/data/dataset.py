@@ -29,7 +29,15 @@ Row = tuple[np.ndarray, ...]
 
 
 class Dataset:
-    """A stage of the pipeline; iterate it for one epoch of rows (tuples in column order)."""
+    """A stage of the pipeline; iterate it for one epoch of rows (tuples in column order).
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> data = ds.NumpySlicesDataset(np.arange(10), column_names=["x"])
+    >>> data = data.map(lambda x: x * 2).batch(4, drop_remainder=True)
+    >>> [batch[0].tolist() for batch in data], len(data)
+    ([[0, 2, 4, 6], [8, 10, 12, 14]], 2)
+    """
 
     column_names: tuple[str, ...]
     num_shards: int | None = None  # of the source, for global_batches across processes

@@ -44,7 +44,17 @@ def _mesh(mesh: Mesh | None) -> Mesh:
 
 def column_sharding(shape: Sequence[int], mesh: Mesh, strategy: Any, column: int,
                     global_rows: int | None = None) -> NamedSharding:
-    """The sharding of one batch column under ``strategy``."""
+    """The sharding of one batch column under ``strategy``.
+
+    >>> import jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar import dataset as ds
+    >>> mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    >>> ds.column_sharding((16, 3), mesh, "data_parallel", 0).spec == P(("dp", "mp"))
+    True
+    >>> ds.column_sharding((16, 3), mesh, "full_batch", 0).spec == P()
+    True
+    """
     from jaxpar._src.strategy import normalize
 
     shape = tuple(shape)
@@ -79,6 +89,12 @@ def to_global(batch: Any, mesh: Mesh | None = None, *, strategy: Any = None,
       strategy: default the context's ``dataset_strategy``.
       sharded: across processes, whether each process holds only its own rows (its dataset was
         built with ``num_shards``/``shard_id``) rather than the whole batch.
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> x, y = ds.to_global((np.zeros((16, 3)), np.zeros(16)))  # the context's dataset_strategy
+    >>> x.shape, len(x.sharding.device_set)
+    ((16, 3), 8)
     """
     mesh = _mesh(mesh)
     strategy = check_dataset_strategy(

@@ -89,6 +89,11 @@ def init(backend_name: str | None = None) -> None:
 
     ``backend_name`` is accepted for MindSpore compatibility (``"hccl"``, ``"nccl"``) and
     ignored: XLA picks the collectives of the platform (gloo on CPU).
+
+    >>> import jaxpar
+    >>> jaxpar.init()  # in a process started by jaxpar run: joins the job; alone: nothing to do
+    >>> jaxpar.get_group_size()
+    1
     """
     del backend_name
     env = cluster_env()
@@ -131,15 +136,30 @@ def _initialized() -> bool:
 
 
 def get_rank() -> int:
-    """This process's rank (``jax.process_index()``)."""
+    """This process's rank (``jax.process_index()``).
+
+    >>> import jaxpar
+    >>> jaxpar.get_rank()  # one process
+    0
+    """
     return jax.process_index()
 
 
 def get_group_size() -> int:
-    """The number of processes (``jax.process_count()``)."""
+    """The number of processes (``jax.process_count()``).
+
+    >>> import jaxpar
+    >>> jaxpar.get_group_size()
+    1
+    """
     return jax.process_count()
 
 
 def get_local_rank() -> int:
-    """This process's index on its host (set by ``jaxpar run``; 0 otherwise)."""
+    """This process's index on its host (set by ``jaxpar run``; 0 otherwise).
+
+    >>> import jaxpar
+    >>> jaxpar.get_local_rank()
+    0
+    """
     return int(os.environ.get("JAXPAR_LOCAL_RANK", 0))

@@ -30,7 +30,12 @@ ROLE_ENV = "JAXPAR_PS_ROLE"
 
 @dataclasses.dataclass(frozen=True)
 class PSConfig:
-    """The parameter-server settings; every field is a ``set_ps_context`` key."""
+    """The parameter-server settings; every field is a ``set_ps_context`` key.
+
+    >>> from jaxpar import ps
+    >>> ps.PSConfig(server_num=2, worker_num=3).mode
+    'sync'
+    """
 
     enable_ps: bool = False
     server_num: int = 1  # server actors; parameters are split across them by size
@@ -78,7 +83,14 @@ _config = PSConfig()
 
 
 def set_ps_context(**kwargs: Any) -> None:
-    """Sets parameter-server options (see :class:`PSConfig` for the keys)."""
+    """Sets parameter-server options (see :class:`PSConfig` for the keys).
+
+    >>> from jaxpar import ps
+    >>> ps.set_ps_context(enable_ps=True, server_num=2, mode="async", max_staleness=2)
+    >>> ps.get_ps_context("mode")
+    'async'
+    >>> ps.reset_ps_context()
+    """
     global _config
     known = {f.name for f in dataclasses.fields(PSConfig)}
     unknown = sorted(set(kwargs) - known)
@@ -89,12 +101,26 @@ def set_ps_context(**kwargs: Any) -> None:
 
 
 def get_ps_context(key: str) -> Any:
+    """One parameter-server option's value (a :class:`PSConfig` field).
+
+    >>> from jaxpar import ps
+    >>> ps.get_ps_context("server_num")
+    1
+    """
     if not hasattr(_config, key):
         raise ContextError(f"get_ps_context: unknown option {key!r}.")
     return getattr(_config, key)
 
 
 def reset_ps_context() -> None:
+    """Restores every parameter-server option to its default.
+
+    >>> from jaxpar import ps
+    >>> ps.set_ps_context(worker_num=4)
+    >>> ps.reset_ps_context()
+    >>> ps.get_ps_context("worker_num")
+    1
+    """
     global _config
     _config = PSConfig()
 

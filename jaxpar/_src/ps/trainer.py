@@ -58,7 +58,13 @@ Batch = Sequence[np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What callbacks get after each step (sync) or each applied part (async)."""
+    """What callbacks get after each step (sync) or each applied part (async).
+
+    >>> from jaxpar import ps
+    >>> info = ps.StepInfo(step=3, loss=0.25, workers=(0, 1), samples=64)
+    >>> f"step {info.step}: loss {info.loss} from {len(info.workers)} workers"
+    'step 3: loss 0.25 from 2 workers'
+    """
 
     step: int  # sync: the server step; async: the index of the part, in hand-out order
     loss: float  # sync: the global batch's mean loss; async: the part's
@@ -68,7 +74,15 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PSReport:
-    """What happened, for logs and tests."""
+    """What happened, for logs and tests.
+
+    >>> from jaxpar import ps
+    >>> report = ps.PSReport(steps=(10, 10), applied=(30, 30), duplicates_ignored=0,
+    ...                      stale_rejections=0, worker_restarts=1, workers_dropped=(),
+    ...                      server_restores=0, redone_steps=0, lost_updates=0)
+    >>> report.applied[0] // report.steps[0]  # workers per step (trainer.report() gives one)
+    3
+    """
 
     steps: tuple[int, ...]  # optimizer steps applied, per server
     applied: tuple[int, ...]  # worker gradients that went into them, per server

@@ -68,6 +68,15 @@ class Model:
       amp_dtype: the low-precision dtype.
       loss_scale_manager: a :class:`~jaxpar.FixedLossScaleManager` or
         :class:`~jaxpar.DynamicLossScaleManager`.
+
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1), metrics={"mae": jaxpar.metrics.MAE()})
+    >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+    >>> model.train(2, [(x, y)])
+    >>> model.predict(x).shape, round(model.eval([(x, y)])["mae"], 3)
+    ((8, 1), 0.04)
     """
 
     def __init__(self, network: Any, loss_fn: Any = None, optimizer: Any = None,

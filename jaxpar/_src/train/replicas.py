@@ -78,7 +78,13 @@ def _as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 class PerReplica:
-    """A step run once per replica; call it like the function (see :func:`per_replica`)."""
+    """A step run once per replica; call it like the function (see :func:`per_replica`).
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> step = jaxpar.per_replica(lambda x: jnp.mean(x), batch_argnums=(0,))
+    >>> isinstance(step, jaxpar.PerReplica), step(jnp.arange(16.0)).shape  # one mean per replica
+    (True, (8,))
+    """
 
     def __init__(self, fn: Callable, *, batch_argnums: Any, static_argnums: Any,
                  mesh: Mesh | None, donate_argnums: Any) -> None:
