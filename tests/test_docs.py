@@ -2,6 +2,7 @@
 line (run by the doctests), or, for a constant, an example elsewhere in its module that uses it."""
 
 import inspect
+import pathlib
 import types
 
 import pytest
@@ -41,3 +42,13 @@ def test_every_public_name_has_a_docstring_with_an_example(module):
     pending = PENDING if module is jaxpar else set()
     assert sorted(set(missing) - pending) == [], f"{module.__name__}: no docstring example"
     assert sorted(pending - set(missing)) == [], "documented now: remove them from PENDING"
+
+
+def test_readme_layout_names_every_module():
+    root = pathlib.Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    layout = readme.split("## Layout of the code", 1)[1].split("```")[1]
+    modules = sorted(p.relative_to(root) for p in (root / "jaxpar").rglob("*.py")
+                     if p.name != "__init__.py" or p.parent.name == "jaxpar")
+    missing = [str(p) for p in modules if p.name not in layout]
+    assert missing == [], "README's code layout does not name these modules"
