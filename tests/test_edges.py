@@ -291,3 +291,8 @@ def test_parameter_plan_accepts_linen_names_and_lists_close_matches():
     with pytest.raises(jaxpar.StrategyError, match="names no parameter. Closest: "
                        "'layers_0.kernel'.*Parameters are: layers_0.bias"):
         f(variables, jnp.ones((8, 16)))
+
+
+def test_a_metric_evaluated_before_any_batch_is_a_jaxpar_error():
+    with pytest.raises(jaxpar.DatasetError, match="no batch was seen"):
+        jaxpar.metrics.Accuracy().eval()

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar._src.errors import DatasetError
+
 
 class Metric:
     """Accumulates over batches; ``update(logits, labels)``, then ``eval()``.
@@ -74,7 +76,7 @@ class Accuracy(Metric):
 
     def eval(self) -> float:
         if self.total == 0:
-            raise ValueError("Accuracy.eval: no batch was seen; call update first.")
+            raise DatasetError("Accuracy.eval: no batch was seen; call update first.")
         return self.correct / self.total
 
 
@@ -101,7 +103,7 @@ class Loss(Metric):
 
     def eval(self) -> float:
         if self.count == 0:
-            raise ValueError("Loss.eval: no batch was seen; call update first.")
+            raise DatasetError("Loss.eval: no batch was seen; call update first.")
         return self.total / self.count
 
 
