@@ -68,3 +68,31 @@ def test_per_replica_keys_weak_types_too():
     assert scaled(x, 1.001).dtype == jnp.bfloat16
     assert scaled(x, jnp.float32(1.001)).dtype == jnp.float32
     assert scaled(x, 1.001).dtype == jnp.bfloat16
+
+
+def test_pytree_structure_is_part_of_the_key_and_dict_order_is_not():
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def f(tree):
+        return jax.tree.map(lambda v: v * 2 if v is not None else v, tree)
+
+    pf = jaxpar.parallelize(f, mesh=mesh, parallel_mode="semi_auto_parallel",
+                            in_strategy=((8,),))
+    a, b = jnp.arange(8.0), jnp.ones(8)
+    one, other = pf({"a": a, "b": b}), pf({"b": b, "a": a})  # jit: one treedef, sorted keys
+    assert pf.compiled_entry({"a": a, "b": b}) is pf.compiled_entry({"b": b, "a": a})
+    assert one["a"].tolist() == other["a"].tolist() == (a * 2).tolist()
+    with_none = pf({"a": a, "b": None})  # None is an empty subtree: another structure
+    assert with_none["b"] is None and with_none["a"].tolist() == (a * 2).tolist()
+    assert pf.compiled_entry({"a": a, "b": None}) is not pf.compiled_entry({"a": a, "b": b})
+
+
+def test_input_layout_is_not_part_of_the_key_the_plan_places_inputs():
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    pf = jaxpar.parallelize(lambda x: x + 1, mesh=mesh, parallel_mode="semi_auto_parallel",
+                            in_strategy=((8,),))
+    x = jnp.arange(8.0)
+    elsewhere = jax.device_put(x, jax.devices()[3])  # committed to one device
+    assert pf.compiled_entry(x) is pf.compiled_entry(elsewhere)
+    out = pf(elsewhere)
+    assert out.tolist() == (x + 1).tolist() and out.sharding.spec == jax.sharding.PartitionSpec("d")
