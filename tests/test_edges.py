@@ -296,3 +296,8 @@ def test_parameter_plan_accepts_linen_names_and_lists_close_matches():
 def test_a_metric_evaluated_before_any_batch_is_a_jaxpar_error():
     with pytest.raises(jaxpar.DatasetError, match="no batch was seen"):
         jaxpar.metrics.Accuracy().eval()
+
+
+def test_per_replica_argnums_are_checked_as_parallelize_checks_them():
+    with pytest.raises(jaxpar.JaxparError, match=r"per_replica\(_f\): batch_argnums=\(3,\)"):
+        jaxpar.per_replica(_f, batch_argnums=3)

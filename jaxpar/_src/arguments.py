@@ -123,12 +123,26 @@ argument 3, but the function takes 1 positional argument(s) (x). Use numbers fro
                                f"{parameter_plan!r}.")
         parameter_plan = types.MappingProxyType(dict(parameter_plan))
     signature = _signature(fn)
-    names: tuple[str, ...] = ()
-    varargs = signature is None
-    if signature is not None:
-        names = tuple(n for n, p in signature.parameters.items() if p.kind in _POSITIONAL)
-        varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL
-                      for p in signature.parameters.values())
+    names, varargs = _positional(signature)
+    batch, donate, static = check_argnums(fn, api, batch_argnums=batch_argnums,
+                                          donate_argnums=donate_argnums,
+                                          static_argnums=static_argnums)
+    return ParallelizeInfo(fn, api, mesh, mode, search_mode, in_strategy, out_strategy, hardware,
+                           batch, donate, static, parameter_plan, signature, names, varargs)
+
+
+def check_argnums(fn: Callable, api: str, *, batch_argnums: Sequence[int] | int | None,
+                  donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int
+                  ) -> tuple[tuple[int, ...] | None, tuple[int, ...], tuple[int, ...]]:
+    """``(batch, donate, static)`` argument numbers, normalised and checked against ``fn``'s
+    signature as ``jax.jit`` checks them (``per_replica`` uses it too); ``batch`` stays ``None``
+    when not given.
+
+    >>> check_argnums(lambda x, y, n: x, "f", batch_argnums=1, donate_argnums=(),
+    ...               static_argnums=-1)
+    ((1,), (), (2,))
+    """
+    names, varargs = _positional(_signature(fn))
     count = None if varargs else len(names)
     static = _argnums(static_argnums, "static_argnums", count, names, api) or ()
     donate = _argnums(donate_argnums, "donate_argnums", count, names, api) or ()
@@ -139,8 +153,17 @@ argument 3, but the function takes 1 positional argument(s) (x). Use numbers fro
             raise PlanError(f"{api}: argument(s) {both} are in both static_argnums and {what}; "
                             f"a static argument is a Python value, not an array. Drop them from "
                             f"one of the two.")
-    return ParallelizeInfo(fn, api, mesh, mode, search_mode, in_strategy, out_strategy, hardware,
-                           batch, donate, static, parameter_plan, signature, names, varargs)
+    return batch, donate, static
+
+
+def _positional(signature: inspect.Signature | None) -> tuple[tuple[str, ...], bool]:
+    """Names of the positional parameters, and whether ``*args`` takes any number more."""
+    if signature is None:
+        return (), True
+    names = tuple(n for n, p in signature.parameters.items() if p.kind in _POSITIONAL)
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL
+                  for p in signature.parameters.values())
+    return names, varargs
 
 
 def parse_mode(mode: Any) -> ParallelMode:

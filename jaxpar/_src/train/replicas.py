@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._src.arguments import check_argnums
 from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import current_context
 from jaxpar._src.data_parallel import infer_batch_argnums
@@ -71,12 +72,6 @@ def per_replica(fn: Callable | None = None, *, batch_argnums: int | Sequence[int
     return PerReplica(fn, **options)
 
 
-def _as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...] | None:
-    if x is None:
-        return None
-    return (x,) if isinstance(x, int) else tuple(x)
-
-
 class PerReplica:
     """A step run once per replica; call it like the function (see :func:`per_replica`).
 
@@ -89,9 +84,9 @@ class PerReplica:
     def __init__(self, fn: Callable, *, batch_argnums: Any, static_argnums: Any,
                  mesh: Mesh | None, donate_argnums: Any) -> None:
         self._fn = fn
-        self._batch = _as_tuple(batch_argnums)
-        self._static = _as_tuple(static_argnums) or ()
-        self._donate = _as_tuple(donate_argnums) or ()
+        self._batch, self._donate, self._static = check_argnums(
+            fn, f"{API}({getattr(fn, '__name__', 'fn')})", batch_argnums=batch_argnums,
+            donate_argnums=donate_argnums, static_argnums=static_argnums)
         self._mesh = mesh
         self._cache: dict[Any, tuple[Any, Callable]] = {}
         try:
