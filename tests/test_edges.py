@@ -25,7 +25,7 @@ def _f(x, w):
     ({"static_argnums": 1, "donate_argnums": 1}, r"\[1\] are in both static_argnums and donate"),
     ({"parallel_mode": "auto"}, "is not one of"),
     ({"search_mode": "fast"}, "is not one of"),
-    ({"hardware": "h100"}, "HardwareProfile"),
+    ({"hardware": 42}, "HardwareProfile"),
     ({"parameter_plan": [("w", (1, 4))]}, "parameter_plan must be a dict"),
 ])
 def test_parallelize_arguments_are_checked_when_given(options, message):
