@@ -158,7 +158,12 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 
 def get_auto_parallel_context(attr_key: str) -> Any:
-    """One option's current value; raises ``ContextError`` for an unknown key."""
+    """One option's current value; raises ``ContextError`` for an unknown key.
+
+    >>> import jaxpar
+    >>> jaxpar.get_auto_parallel_context("parallel_mode") is jaxpar.ParallelMode.STAND_ALONE
+    True
+    """
     if attr_key == "full_batch":
         return current_context().dataset_strategy == "full_batch"
     if attr_key not in _FIELDS:
@@ -167,7 +172,14 @@ def get_auto_parallel_context(attr_key: str) -> Any:
 
 
 def reset_auto_parallel_context() -> None:
-    """Restores every option to its default."""
+    """Restores every option to its default.
+
+    >>> import jaxpar
+    >>> jaxpar.set_auto_parallel_context(parallel_mode="data_parallel")
+    >>> jaxpar.reset_auto_parallel_context()
+    >>> jaxpar.get_auto_parallel_context("parallel_mode").value
+    'stand_alone'
+    """
     global _base
     _base = ParallelContext()
 
@@ -226,6 +238,14 @@ def set_algo_parameters(**kwargs: Any) -> None:
 
 
 def get_algo_parameters(attr_key: str) -> Any:
+    """The value of one algorithm parameter (see :func:`set_algo_parameters`).
+
+    >>> import jaxpar
+    >>> jaxpar.set_algo_parameters(fully_use_devices=False)
+    >>> jaxpar.get_algo_parameters("fully_use_devices")
+    False
+    >>> jaxpar.reset_algo_parameters()
+    """
     if attr_key not in _ALGO_FIELDS:
         raise ContextError(
             f"jaxpar: unknown algorithm parameter {attr_key!r}. Known: "
@@ -234,6 +254,14 @@ def get_algo_parameters(attr_key: str) -> Any:
 
 
 def reset_algo_parameters() -> None:
+    """Restores every algorithm parameter to its default.
+
+    >>> import jaxpar
+    >>> jaxpar.set_algo_parameters(fully_use_devices=False)
+    >>> jaxpar.reset_algo_parameters()
+    >>> jaxpar.get_algo_parameters("fully_use_devices")
+    True
+    """
     global _algo
     _algo = AlgoParameters()
 

@@ -3,8 +3,9 @@
 A JAX program sees the global batch, so a loss that averages over it already has gradients equal
 to the mean of the per-device gradients: MindSpore's ``gradients_mean=True``, jaxpar's default.
 XLA inserts that all-reduce itself.  MindSpore's ``gradients_mean=False`` (the per-device sum) has
-no meaning for a program that never sees per-device losses, so ``parallelize`` refuses it rather
-than compute something else.
+no meaning for a program that never sees per-device losses, so ``parallelize`` refuses it (in
+``data_parallel``, ``semi_auto_parallel`` and ``auto_parallel`` alike) rather than compute
+something else.
 """
 
 from __future__ import annotations

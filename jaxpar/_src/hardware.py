@@ -10,11 +10,15 @@ device counts multiply to at most ``devices_per_node`` are inside a node, the re
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from jaxpar._src.errors import ContextError
 from jaxpar._src.spec import MeshShape
 
 _GB = 1e9
@@ -50,6 +54,39 @@ def _items(x: Mapping[str, float] | tuple | None) -> tuple[tuple[str, float], ..
         return ()
     pairs = x.items() if isinstance(x, Mapping) else x
     return tuple(sorted((str(k), float(v)) for k, v in pairs))
+
+
+_POSITIVE = ("flops_per_s", "memory_per_device", "intra_node_bandwidth", "inter_node_bandwidth")
+_LATENCIES = ("intra_node_latency", "inter_node_latency")
+
+
+def _check_number(name: str, value: Any, *, positive: bool) -> None:
+    """A real number, not NaN, > 0 (rates, sizes) or >= 0 (latencies); inf is allowed."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(
+        value) and (float(value) > 0 if positive else float(value) >= 0)
+    if not ok:
+        unit = next((u for key, u in _UNITS.items() if key in name), "")
+        raise ContextError(
+            f"jaxpar.HardwareProfile: {name} must be a "
+            f"{'positive' if positive else 'non-negative'} number, got {value!r}. Give it in "
+            f"{unit}.")
+
+
+_UNITS = {"flops": "FLOP/s, e.g. 400e12", "memory": "bytes, e.g. 80e9",
+          "bandwidth": "bytes/s, e.g. 50e9", "latency": "seconds, e.g. 1e-5"}
+
+
+def _pairs(name: str, x: Any) -> tuple[tuple[str, Any], ...]:
+    if x is None:
+        return ()
+    try:
+        pairs = tuple(x.items() if isinstance(x, Mapping) else x)
+        if all(isinstance(k, str) for k, _ in pairs):
+            return pairs
+    except (TypeError, ValueError):
+        pass
+    raise ContextError(f"jaxpar.HardwareProfile: {name} must be a dict from mesh axis names to "
+                       f"numbers, e.g. {{'dp': 25e9}}, got {x!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +126,7 @@ class HardwareProfile:
     PRESETS = PRESETS
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            from jaxpar._src.errors import ContextError
-
+        if not isinstance(self.preset, str) or self.preset not in PRESETS:
             raise ContextError(
                 f"jaxpar.HardwareProfile: unknown preset {self.preset!r}; choose one of "
                 f"{sorted(PRESETS)}.")
@@ -99,8 +134,41 @@ class HardwareProfile:
         for name, value in base.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        object.__setattr__(self, "axis_bandwidth", _items(self.axis_bandwidth))
-        object.__setattr__(self, "axis_latency", _items(self.axis_latency))
+        for name in _POSITIVE:
+            _check_number(name, getattr(self, name), positive=True)
+        for name in _LATENCIES:
+            _check_number(name, getattr(self, name), positive=False)
+        dpn = self.devices_per_node
+        if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
+            raise ContextError(f"jaxpar.HardwareProfile: devices_per_node must be a positive int "
+                               f"(devices sharing the fast links), got {dpn!r}.")
+        for name, positive in (("axis_bandwidth", True), ("axis_latency", False)):
+            pairs = _pairs(name, getattr(self, name))
+            for axis, value in pairs:
+                _check_number(f"{name}[{axis!r}]", value, positive=positive)
+            object.__setattr__(self, name, _items(pairs))
+
+    def check_mesh(self, mesh: MeshShape, where: str) -> None:
+        """Raises when ``axis_bandwidth``/``axis_latency`` name an axis ``mesh`` lacks (a typo
+        would otherwise price that axis by position, silently).
+
+        >>> mesh = MeshShape(("data", "model"), (2, 4))
+        >>> HardwareProfile(axis_bandwidth={"modle": 1e9}).check_mesh(mesh, "f")
+        Traceback (most recent call last):
+        ...
+        jaxpar._src.errors.ContextError: f: HardwareProfile axis_bandwidth names mesh axis \
+'modle', but the mesh has axes ('data', 'model') (did you mean 'model'?). Name the mesh's axes, \
+or leave the axis out to price it by position.
+        """
+        for name in ("axis_bandwidth", "axis_latency"):
+            for axis, _ in getattr(self, name):
+                if axis not in mesh.names:
+                    close = difflib.get_close_matches(axis, mesh.names, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ContextError(
+                        f"{where}: HardwareProfile {name} names mesh axis {axis!r}, but the mesh "
+                        f"has axes {mesh.names}{hint}. Name the mesh's axes, or leave the axis "
+                        f"out to price it by position.")
 
     @classmethod
     def named(cls, preset: str) -> HardwareProfile:

@@ -57,7 +57,15 @@ class Redistribution:
 
 @dataclasses.dataclass(frozen=True)
 class OpDecision:
-    """The strategy of one node."""
+    """The strategy of one node.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((2, 1), (1, 4)))
+    >>> dot = f.plan(jnp.ones((8, 16)), jnp.ones((16, 32))).ops("dot_general")[0]
+    >>> dot.strategy_str(), dot.origin
+    ('[dp, -]·[-, mp] -> [dp, mp]', 'propagated')
+    """
 
     node: int
     kind: str  # input, const, output, op, enter, exit, control
@@ -115,6 +123,16 @@ class ShardingPlan:
 
     Use :meth:`explain` for a readable table, :meth:`to_json`/:meth:`from_json` or
     :meth:`save`/:meth:`load` to keep it.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((2, 1), (1, 4)))
+    >>> plan = f.plan(jnp.ones((8, 16)), jnp.ones((16, 32)))
+    >>> plan.output_layouts() == {"out": P("dp", "mp")}
+    True
+    >>> jaxpar.ShardingPlan.from_json(plan.to_json()) == plan
+    True
     """
 
     mesh: MeshShape
@@ -317,18 +335,20 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        from jaxpar._src.plan_json import plan_from_dict
+        from jaxpar._src.plan_files import plan_from_json
 
-        return plan_from_dict(json.loads(text))
+        return plan_from_json(text)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        from jaxpar._src.plan_files import save_plan
+
+        save_plan(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ShardingPlan:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        from jaxpar._src.plan_files import load_plan
+
+        return load_plan(path)
 
 
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:

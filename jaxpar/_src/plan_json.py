@@ -78,9 +78,9 @@ def plan_to_dict(plan: ShardingPlan) -> dict:
     return out
 
 
-def plan_from_dict(data: dict) -> ShardingPlan:
+def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
     if data.get("format") != FORMAT:
-        raise PlanError(f"jaxpar: not a plan file of format {FORMAT!r} "
+        raise PlanError(f"jaxpar: {source} is not a plan file of format {FORMAT!r} "
                         f"(found {data.get('format')!r}).")
     mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],

@@ -18,6 +18,7 @@ from typing import Any
 from jaxpar._src.context import ParallelMode, algo_parameters
 from jaxpar._src.errors import PlanError
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.plan_files import input_mismatch
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
 from jaxpar._src.search.auto import auto_search
@@ -58,6 +59,12 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
     if saved.mesh != mesh:
         raise PlanError(f"{api}: the strategy file {path!r} was made for mesh {saved.mesh}, "
                         f"this program runs on mesh {mesh}.")
+    differs = input_mismatch(saved, graph)
+    if differs is not None:
+        raise PlanError(
+            f"{api}: the strategy file {path!r} does not match this program: {differs}. It was "
+            f"saved for other arguments: call with those, or plan this call afresh (unset "
+            f"strategy_ckpt_load_file; strategy_ckpt_save_file writes a new one).")
     if len(saved.decisions) != len(graph.nodes):
         raise PlanError(f"{api}: the strategy file {path!r} has {len(saved.decisions)} nodes; "
                         f"this program has {len(graph.nodes)}. It was made for another program "
