@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Four tables, all in one run:
+itself costs.  Five tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -10,7 +10,8 @@ itself costs.  Four tables, all in one run:
 3. **hand plans**: on GPT-style models of 12 and 24 layers and meshes (8,), (2,4), (4,2), priced
    for H100 nodes, the simulated step time of the automatic plan beside pure data parallel,
    Megatron tensor parallel and data x tensor parallel written by hand;
-4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode.
+4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode;
+5. **a mesh of three axes**: every search's time and plan on a (2, 2, 2) mesh.
 
 Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
@@ -302,6 +303,45 @@ def speed_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+# -- 5. a mesh of three axes -----------------------------------------------------------------------
+def mesh3_rows() -> list[dict]:
+    """Every search on a (2, 2, 2) mesh, where operators have 27 to 125 candidates and the
+    exact searches' integer programs would have hundreds of thousands of variables."""
+    from tests import auto_models as am
+
+    mesh = jaxpar.make_mesh((2, 2, 2), ("a", "b", "c"))
+    rows = []
+    for name, (step, args) in {"scan + cumprod (4 layers)": am.scan_cumprod(),
+                               "transformer layer": am.transformer_block(batch=8, seq=8,
+                                                                         d=32, ff=64)}.items():
+        row = {"case": name}
+        for mode in MODES:
+            p = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   search_mode=mode)
+            entry = p.compiled_entry(*args)
+            row["ops"] = entry.program.graph.count("op")
+            row[mode] = entry.timings["search"]
+            row[mode + "_objective"] = entry.plan.objective_s
+            row[mode + "_notes"] = list(entry.plan.notes)
+        rows.append(row)
+        print("mesh3", row, flush=True)
+    return rows
+
+
+def mesh3_table(rows: list[dict]) -> list[str]:
+    lines = ["## A mesh of three axes", "",
+             "Search seconds (building the cost graph, searching, assembling the plan) and the "
+             "plan's simulated step time on mesh (2, 2, 2), CPU profile.", "",
+             "| case | ops | recursive s | dynamic prog. s | optimal s | recursive | "
+             "dynamic prog. | optimal |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['ops']} | "
+            + " | ".join(f"{r[m]:.2f}" for m in MODES) + " | "
+            + " | ".join(f"{r[m + '_objective'] * 1e6:.1f} us" for m in MODES) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models (a smoke run)")
@@ -317,6 +357,7 @@ def main() -> None:
     gaps = gap_rows()
     hands = hand_rows(args.quick)
     speeds = speed_rows(args.quick)
+    mesh3 = mesh3_rows()
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
             platform.python_version(), "machine": platform.machine(),
@@ -324,11 +365,11 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds}, f, indent=1)
+                   "search_speed": speeds, "mesh3": mesh3}, f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
     for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
-                  speed_table(speeds)):
+                  speed_table(speeds), mesh3_table(mesh3)):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

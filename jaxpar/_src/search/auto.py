@@ -11,6 +11,7 @@ with the budget and the smallest plan it found.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,12 +22,22 @@ from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.elimination import solve_elimination
 from jaxpar._src.search.memory import live_ranges, peak_memory, replicated_peak
-from jaxpar._src.search.optimal import solve_optimal
+from jaxpar._src.search.optimal import IlpResult, ilp_variables, solve_optimal
+from jaxpar._src.search.polish import polish
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
-from jaxpar._src.search.recursive import improve, refine, solve_recursive
+from jaxpar._src.search.recursive import solve_recursive
 
 SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
+# Largest integer program ``optimal`` solves (variables: see ``optimal.ilp_variables``): its
+# relaxation takes a few seconds, as on the GPT benchmarks (75,000 variables, 2 s).  A GPT
+# block on a mesh of three axes needs a million.
+OPTIMAL_VARIABLES = 100_000
+# Largest one branch and bound may run on when the relaxation is not integral (on meshes of
+# three axes it rarely is, and HiGHS's root cuts alone then take tens of seconds at 50,000).
+BRANCH_VARIABLES = 20_000
+# When the relaxation is not integral, a plan this close (relative) to its bound is the answer.
+GOOD_ENOUGH = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +69,7 @@ class SearchReport:
 
 def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 ties: Sequence[tuple[int, int]] = (), baseline_pins: Sequence[Pin] | None = None,
-                fully_use_devices: bool = True, time_limit: float = 300.0
+                fully_use_devices: bool = True, time_limit: float = 30.0
                 ) -> tuple[Assignment, SearchReport, dict[int, Detail]]:
     t0 = time.perf_counter()
     problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
@@ -83,12 +94,32 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
             return 0.0
         return peak_memory(graph, problem.expand(lift(choice)), mesh).peak
 
-    if search_mode == "optimal":
-        result = solve_optimal(target, time_limit=time_limit)
+    variables = ilp_variables(target, limit=OPTIMAL_VARIABLES) if search_mode == "optimal" \
+        else 0
+    if variables > OPTIMAL_VARIABLES:
+        # The relaxation alone of a program this size takes minutes: solve as recursive
+        # programming does, and say that the plan is not proven optimal.
+        notes.append(f"the integer program would have more than {OPTIMAL_VARIABLES:,} variables, "
+                     f"too many to solve in seconds; the plan is the better of recursive and "
+                     f"dynamic programming's, not proven optimal")
+        optimal = False
+        choice = _solve_fast(target, 0.0)
+        if memory_of(choice) > budget:
+            choice = _fit_memory(target, choice, _solve_fast, budget, memory_of)
+    elif search_mode == "optimal":
+        @functools.cache
+        def fast() -> dict[int, int]:  # the plan to fall back on (computed once, if needed)
+            return polish(target, _solve_recursive(target, 0.0))
+
+        def fallback() -> dict[int, int]:
+            return dict(fast())
+
+        branch = variables <= BRANCH_VARIABLES
+        result = solve_optimal(target, time_limit=time_limit, fallback=fallback,
+                               polish=polish, good_enough=GOOD_ENOUGH, branch=branch)
         choice, optimal = result.choice, result.optimal
         if not result.optimal:
-            notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
-                         f"relative gap {result.gap:.3g}")
+            notes.append(_unproven(result, time_limit))
         cuts = []
         smallest = float("inf")
         for _ in range(0 if roomy else 20):
@@ -98,7 +129,9 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 break
             cuts.append(_fold(_memory_cut(problem, est.at, budget), owner))
             try:
-                result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts)
+                result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts,
+                                       fallback=fallback, polish=polish,
+                                       good_enough=GOOD_ENOUGH, branch=branch)
             except PlanError:  # the cuts admit no plan at all
                 raise _over_budget(search_mode, budget, smallest) from None
             choice, optimal = result.choice, result.optimal
@@ -140,6 +173,21 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
     return Assignment(strategies, origins), report, details
 
 
+def _unproven(result: IlpResult, time_limit: float) -> str:
+    if np.isfinite(result.gap):
+        return (f"not proven optimal: the integer program's relaxation is not integral; the "
+                f"plan is at most {result.gap:.2%} above the optimum (the relaxation's bound)")
+    return (f"not proven optimal: branch and bound stopped at its time limit ({time_limit:g} s) "
+            f"without a bound")
+
+
+def _solve_fast(problem: Problem, price: float) -> dict[int, int]:
+    """The cheaper of the recursive and the elimination search's plans."""
+    priced = _priced(problem, price)
+    return min((_solve_recursive(problem, price), _solve_elimination(problem, price)),
+               key=priced.objective)
+
+
 def _over_budget(search_mode: str, budget: float, smallest: float) -> PlanError:
     from jaxpar._src.plan import _bytes
 
@@ -155,9 +203,8 @@ def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
 
 def _solve_elimination(problem: Problem, price: float) -> dict[int, int]:
     choice, stats = solve_elimination(problem, memory_price=price)
-    if stats.star:  # star eliminations approximate: polish their decisions locally
-        priced = _priced(problem, price)
-        choice = refine(priced, improve(priced, choice))
+    if not stats.exact:  # star eliminations or a rounded core: polish their decisions
+        choice = polish(_priced(problem, price), choice)
     return choice
 
 

@@ -52,6 +52,44 @@ class Problem:
     origins: dict[int, str]  # pin origins
     members: dict[int, tuple[int, ...]] | None = None  # quotient: the reps each node stands for
 
+    @classmethod
+    def from_tables(cls, cost: Mapping[int, np.ndarray],
+                    edges: Mapping[tuple[int, int], np.ndarray]) -> Problem:
+        """A problem given by its cost tables alone (no graph behind it; candidates are
+        numbered): what the solvers of ``elimination.py`` and ``optimal.py`` need, for tests
+        and for sub-problems.
+
+        >>> p = Problem.from_tables({0: np.array([1.0, 0.0]), 1: np.zeros(3)},
+        ...                         {(0, 1): np.ones((2, 3))})
+        >>> p.objective({0: 1, 1: 0})
+        1.0
+        """
+        reps = sorted(cost)
+        return cls(None, reps, {r: tuple(range(len(cost[r]))) for r in reps},  # type: ignore
+                   {r: np.asarray(cost[r], dtype=float) for r in reps},
+                   {r: np.zeros(len(cost[r])) for r in reps},
+                   {k: np.asarray(m, dtype=float) for k, m in edges.items()}, {}, {}, [], {})
+
+    def restricted(self, kept: Mapping[int, np.ndarray]) -> Problem:
+        """The problem where node ``r`` may take only the candidates ``kept[r]`` (indices
+        into its list, including a pinned node's one); its choices index into ``kept[r]``.
+        For solving only (:meth:`expand` needs the full problem).
+
+        >>> p = Problem.from_tables({0: np.array([3.0, 1.0, 2.0])}, {})
+        >>> p.restricted({0: np.array([0, 2])}).cost[0]
+        array([3., 2.])
+        """
+        forced = {}
+        for r, k in self.forced.items():
+            (where,) = np.flatnonzero(kept[r] == k)
+            forced[r] = int(where)
+        return dataclasses.replace(
+            self, cands={r: tuple(self.cands[r][k] for k in kept[r]) for r in self.reps},
+            cost={r: self.cost[r][kept[r]] for r in self.reps},
+            mem={r: self.mem[r][kept[r]] for r in self.reps},
+            edges={(u, v): m[np.ix_(kept[u], kept[v])] for (u, v), m in self.edges.items()},
+            forced=forced)
+
     def members_of(self, r: int) -> tuple[int, ...]:
         return self.members[r] if self.members is not None else (r,)
 
