@@ -12,6 +12,10 @@ that make a function's boundary and control flow visible to the search:
 * ``control``: the ``scan``/``while``/``cond`` itself.  It is not searched; lowering uses it to
   rebuild the loop around the constrained body.
 
+The body of a ``jax.checkpoint`` (``remat2``) is inlined: its operators are ordinary nodes (so
+the recomputed forward pass is searched and priced), and a :class:`RematBlock` remembers them so
+that lowering keeps the recomputation.
+
 Values are tensors, each produced by exactly one node; literals in equations are :class:`Const`
 operands and carry no edge.
 """
@@ -76,6 +80,22 @@ class Value:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RematBlock:
+    """The nodes of one inlined ``jax.checkpoint`` body (``node.remat`` is its id).
+
+    They are contiguous in their sequence (``OpGraph.order`` or a loop body).  As JAX lowers a
+    differentiated checkpoint, the block's ``inputs`` whose ``barrier`` is set pass an
+    optimization barrier before the block runs, so XLA cannot merge the recomputation with the
+    forward pass it repeats.
+    """
+
+    id: int
+    inputs: tuple[Operand, ...]
+    barrier: tuple[bool, ...]
+    parent: int | None = None  # the enclosing block, when checkpoints nest
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Node:
     """One operator or pseudo-operator; see the module docstring for the kinds."""
@@ -91,6 +111,7 @@ class Node:
     eqn: Any = None  # the jaxpr equation (op and control nodes)
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     label: str = ""  # argument path for inputs/outputs, e.g. "params.w1"
+    remat: int | None = None  # the innermost checkpoint block it belongs to, if any
 
     def __repr__(self) -> str:
         return f"Node({self.id}, {self.kind}:{self.name}, in={self.inputs}, out={self.outputs})"
@@ -107,6 +128,7 @@ class OpGraph:
       inputs: ids of the ``input`` nodes, in flattened-argument order.
       outputs: ids of the ``output`` nodes, in flattened-result order.
       consumers: per value id, the ``(node id, input index)`` pairs that read it.
+      remats: the checkpoint blocks; ``remats[b].id == b``.
     """
 
     nodes: tuple[Node, ...]
@@ -115,6 +137,7 @@ class OpGraph:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     consumers: tuple[tuple[tuple[int, int], ...], ...]
+    remats: tuple[RematBlock, ...] = ()
 
     def searchable(self) -> Iterator[Node]:
         """Nodes that get a strategy (everything but control nodes)."""

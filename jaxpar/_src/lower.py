@@ -13,10 +13,12 @@ pinned to one layout on both ends.  XLA's SPMD partitioner then inserts the coll
                      └─► run(*leaves): for node in graph.order:
                              op      → bind(eqn, read(operands, in_specs)) → constrain(out_specs)
                              control → lax.scan / while_loop / switch over the body nodes
+                             checkpoint body → optimization barrier on its inputs, then its nodes
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,19 +90,62 @@ class _Evaluator:
             outs.append(self.read(env, self.graph.nodes[nid].inputs[0], d.in_specs[0]))
         return outs
 
-    def eval_seq(self, seq: Sequence[int], env: dict) -> None:
-        for nid in seq:
-            node = self.graph.nodes[nid]
-            if node.kind == "op":
-                self.eval_op(node, env)
-            elif node.kind == "const":
-                d = self.plan.decisions[nid]
-                env[node.outputs[0]] = self.constrain(jnp.asarray(node.params["value"]),
-                                                      d.out_specs[0])
-            elif node.kind == "control":
-                {"scan": self.eval_scan, "while": self.eval_while,
-                 "cond": self.eval_cond}[node.name](node, env)
-            # input, output, enter, exit: filled by run() / the control node
+    def eval_seq(self, seq: Sequence[int], env: dict, entered: frozenset[int] = frozenset()
+                 ) -> None:
+        """Evaluates ``seq`` into ``env``; ``entered``: the checkpoint blocks already open."""
+        i = 0
+        while i < len(seq):
+            block = self._next_block(self.graph.nodes[seq[i]].remat, entered)
+            if block is not None:  # a checkpoint body: its contiguous run of nodes
+                end = i
+                while end < len(seq) and block in self._blocks(self.graph.nodes[seq[end]].remat):
+                    end += 1
+                self.eval_remat(block, seq[i:end], env, entered)
+                i = end
+                continue
+            self.eval_node(self.graph.nodes[seq[i]], env)
+            i += 1
+
+    def _blocks(self, block: int | None) -> list[int]:
+        """The checkpoint blocks around a node, innermost first."""
+        out = []
+        while block is not None:
+            out.append(block)
+            block = self.graph.remats[block].parent
+        return out
+
+    def _next_block(self, block: int | None, entered: frozenset[int]) -> int | None:
+        """The outermost block around a node that is not open yet."""
+        pending = [b for b in self._blocks(block) if b not in entered]
+        return pending[-1] if pending else None
+
+    def eval_remat(self, block: int, seq: Sequence[int], env: dict, entered: frozenset[int]
+                   ) -> None:
+        """A checkpoint body, lowered as JAX lowers a differentiated ``remat2``: the inputs
+        that prevent common-subexpression elimination pass one optimization barrier, so XLA
+        recomputes the body instead of reusing the forward pass's values."""
+        info = self.graph.remats[block]
+        shielded = [o for o, b in zip(info.inputs, info.barrier, strict=True)
+                    if b and isinstance(o, int) and o in env]
+        inner = dict(zip(shielded, jax.lax.optimization_barrier([env[v] for v in shielded]),
+                         strict=True))
+        scope = collections.ChainMap(inner, env)
+        self.eval_seq(seq, scope, entered | {block})  # type: ignore[arg-type]
+        for key, value in inner.items():
+            if key not in shielded:  # what the body made (the inputs stay unshielded outside)
+                env[key] = value
+
+    def eval_node(self, node: Node, env: dict) -> None:
+        if node.kind == "op":
+            self.eval_op(node, env)
+        elif node.kind == "const":
+            d = self.plan.decisions[node.id]
+            env[node.outputs[0]] = self.constrain(jnp.asarray(node.params["value"]),
+                                                  d.out_specs[0])
+        elif node.kind == "control":
+            {"scan": self.eval_scan, "while": self.eval_while,
+             "cond": self.eval_cond}[node.name](node, env)
+        # input, output, enter, exit: filled by run() / the control node
 
     def eval_op(self, node: Node, env: dict) -> None:
         d = self.plan.decisions[node.id]

@@ -1,9 +1,11 @@
 """Tracing a function to an :class:`OpGraph`.
 
 ``jax.make_jaxpr`` gives the program; nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
-``checkpoint`` and ``closed_call`` bodies are inlined (the jaxpr is already differentiated, so
-their custom rules have done their work), while ``scan``, ``while`` and ``cond`` stay units whose
-bodies join the graph behind ``enter``/``exit`` pseudo-operators.  Dead equations are dropped.
+``closed_call`` and ``jax.checkpoint`` (``remat2``) bodies are inlined (the jaxpr is already
+differentiated, so their custom rules have done their work; a checkpoint body is also recorded
+as a :class:`RematBlock`, so that lowering keeps its recomputation), while ``scan``, ``while``
+and ``cond`` stay units whose bodies join the graph behind ``enter``/``exit`` pseudo-operators.
+Dead equations are dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ import jax
 import jax.extend.core as jcore
 
 from jaxpar._src.compat import scan_counts, source_location
-from jaxpar._src.graph import Const, Node, Operand, OpGraph, Value, build_consumers
+from jaxpar._src.graph import (
+    Const,
+    Node,
+    Operand,
+    OpGraph,
+    RematBlock,
+    Value,
+    build_consumers,
+)
 
 # Call-like primitives whose body is inlined, and where their body lives in ``eqn.params``.
 _INLINE = {
@@ -27,9 +37,9 @@ _INLINE = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "checkpoint": "jaxpr",
-    "remat": "jaxpr",
 }
+# ``jax.checkpoint``: ``remat2`` in JAX 0.10 and 0.11 (``checkpoint`` in older releases).
+_REMAT = ("remat2", "checkpoint", "remat")
 
 WHILE_TRIP_ESTIMATE = 1.0  # a while loop's trip count is unknown when planning
 
@@ -97,6 +107,7 @@ class _Builder:
     def __init__(self) -> None:
         self.nodes: list[dict[str, Any]] = []
         self.values: list[Value] = []
+        self.remats: list[RematBlock] = []
 
     # -- construction -------------------------------------------------------------------------
     def _node(self, kind: str, name: str, inputs: Sequence[Operand], out_avals: Sequence[Any],
@@ -131,10 +142,11 @@ class _Builder:
         return self._finish(order, inputs, outputs)
 
     def _bind_consts(self, constvars: Sequence[Any], consts: Sequence[Any], env: dict,
-                     seq: list[int], weight: float, region: int | None) -> None:
+                     seq: list[int], weight: float, region: int | None,
+                     remat: int | None = None) -> None:
         for var, val in zip(constvars, consts, strict=True):
             nid, (vid,) = self._node("const", "const", (), [var.aval], seq, weight=weight,
-                                     region=region, params={"value": val})
+                                     region=region, params={"value": val}, remat=remat)
             env[var] = vid
 
     @staticmethod
@@ -145,40 +157,61 @@ class _Builder:
         return env[var]
 
     def _walk(self, jaxpr: jcore.Jaxpr, env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None = None) -> None:
+        """Adds ``jaxpr``'s equations to ``seq``; ``remat``: the checkpoint block they are in
+        (nodes of loop bodies are not: their sequence is the body's)."""
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = [self._read(env, v) for v in eqn.invars]
             key = _INLINE.get(name)
             if key is not None and key in eqn.params:
-                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region)
+                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region, remat)
+            elif name in _REMAT and "jaxpr" in eqn.params:
+                block = self._remat_block(eqn, ins, remat)
+                self._inline(eqn.params["jaxpr"], ins, eqn.outvars, env, seq, weight, region,
+                             block)
             elif name == "scan":
-                self._scan(eqn, ins, env, seq, weight, region)
+                self._scan(eqn, ins, env, seq, weight, region, remat)
             elif name == "while":
-                self._while(eqn, ins, env, seq, weight, region)
+                self._while(eqn, ins, env, seq, weight, region, remat)
             elif name == "cond":
-                self._cond(eqn, ins, env, seq, weight, region)
+                self._cond(eqn, ins, env, seq, weight, region, remat)
             else:
                 _, outs = self._node("op", name, ins, [v.aval for v in eqn.outvars], seq,
                                      eqn=eqn, source=source_location(eqn), weight=weight,
-                                     region=region)
+                                     region=region, remat=remat)
                 for var, vid in zip(eqn.outvars, outs, strict=True):
                     env[var] = vid
 
     def _inline(self, sub: Any, ins: Sequence[Operand], outvars: Sequence[Any], env: dict,
-                seq: list[int], weight: float, region: int | None) -> None:
+                seq: list[int], weight: float, region: int | None, remat: int | None) -> None:
         inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
         sub_env: dict[Any, Operand] = dict(zip(inner.invars, ins, strict=True))
-        self._bind_consts(inner.constvars, consts, sub_env, seq, weight, region)
-        self._walk(inner, sub_env, seq, weight, region)
+        self._bind_consts(inner.constvars, consts, sub_env, seq, weight, region, remat)
+        self._walk(inner, sub_env, seq, weight, region, remat)
         for var, inner_var in zip(outvars, inner.outvars, strict=True):
             env[var] = self._read(sub_env, inner_var)
 
+    def _remat_block(self, eqn: Any, ins: Sequence[Operand], parent: int | None) -> int:
+        """Records a checkpoint body: which of its inputs JAX's lowering puts behind an
+        optimization barrier (``prevent_cse``, once differentiated)."""
+        p = eqn.params
+        prevent = p.get("prevent_cse", True)
+        if not isinstance(prevent, tuple):
+            prevent = (prevent,) * len(ins)
+        differentiated = bool(p.get("differentiated", False))
+        block = len(self.remats)
+        self.remats.append(RematBlock(block, tuple(ins),
+                                      tuple(differentiated and bool(x) for x in prevent),
+                                      parent))
+        return block
+
     # -- control flow -------------------------------------------------------------------------
     def _control(self, eqn: Any, ins: Sequence[Operand], seq: list[int], weight: float,
-                 region: int | None) -> int:
+                 region: int | None, remat: int | None) -> int:
         nid, _ = self._node("control", eqn.primitive.name, ins, (), seq, eqn=eqn,
-                            source=source_location(eqn), weight=weight, region=region)
+                            source=source_location(eqn), weight=weight, region=region,
+                            remat=remat)
         return nid
 
     def _enter(self, role: str, operand: Operand, aval: Any, cid: int, seq: list[int],
@@ -191,16 +224,17 @@ class _Builder:
               outer_seq: list[int], weight: float, index: int, source: str) -> int:
         nid, (vid,) = self._node("exit", role, operands, [aval], outer_seq, weight=weight,
                                  params={"index": index, "control": cid}, source=source,
-                                 region=self.nodes[cid].get("region"))
+                                 region=self.nodes[cid].get("region"),
+                                 remat=self.nodes[cid].get("remat"))
         self.nodes[cid].setdefault("params", {}).setdefault("exits", []).append(nid)
         return vid
 
     def _scan(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None) -> None:
         p = eqn.params
         body = p["jaxpr"]
         nc, nk = scan_counts(p)
-        cid = self._control(eqn, ins, seq, weight, region)
+        cid = self._control(eqn, ins, seq, weight, region, remat)
         src = self.nodes[cid]["source"]
         inner_w = weight * max(int(p["length"]), 1)
         body_seq: list[int] = []
@@ -225,11 +259,11 @@ class _Builder:
             env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j, src)
 
     def _while(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-               region: int | None) -> None:
+               region: int | None, remat: int | None) -> None:
         p = eqn.params
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cid = self._control(eqn, ins, seq, weight, region)
+        cid = self._control(eqn, ins, seq, weight, region, remat)
         src = self.nodes[cid]["source"]
         inner_w = weight * WHILE_TRIP_ESTIMATE
         enter_seq: list[int] = []
@@ -264,9 +298,9 @@ class _Builder:
             env[var] = self._exit("carry_out", [outs[j]], var.aval, cid, seq, weight, j, src)
 
     def _cond(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None) -> None:
         branches = eqn.params["branches"]
-        cid = self._control(eqn, ins, seq, weight, region)
+        cid = self._control(eqn, ins, seq, weight, region, remat)
         src = self.nodes[cid]["source"]
         enter_seq: list[int] = []
         operands = [self._enter("operand", op, var.aval, cid, enter_seq, weight, i + 1, src)
@@ -323,8 +357,14 @@ class _Builder:
                 params["control"] = remap[params["control"]]
             d["params"] = params
             nodes.append(Node(**d))
+        remats = []
+        for block in self.remats:  # inputs that only dead code read are gone
+            kept = [(o, b) for o, b in zip(block.inputs, block.barrier, strict=True)
+                    if isinstance(o, Const) or o in vmap]
+            remats.append(dataclasses.replace(block, inputs=tuple(operand(o) for o, _ in kept),
+                                              barrier=tuple(b for _, b in kept)))
         return OpGraph(tuple(nodes), tuple(values), tuple(ids(order)), tuple(ids(inputs)),
-                       tuple(ids(outputs)), build_consumers(nodes, len(values)))
+                       tuple(ids(outputs)), build_consumers(nodes, len(values)), tuple(remats))
 
     def _live(self) -> set[int]:
         """Nodes that an output, an effect or a kept structure depends on."""
