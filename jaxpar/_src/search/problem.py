@@ -135,23 +135,26 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     pinned = {p.node: p for p in pins}
     searchable = [n.id for n in graph.searchable()]
     cands: dict[int, tuple[OpStrategy, ...]] = {}
-    filtered: dict[tuple[int, bool, bool], tuple[OpStrategy, ...]] = {}
+    # What a node's candidate list depends on (its rule and how it is filtered, or its pin):
+    # nodes with one key share one list, and the caches below are keyed by it.
+    kinds: dict[int, tuple] = {}
+    filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
     for nid in searchable:
         if nid in pinned:
-            cands[nid] = (pinned[nid].strategy,)
+            kinds[nid] = ("pin", pinned[nid].strategy)
+            cands[nid] = filtered.setdefault(kinds[nid], (pinned[nid].strategy,))
             continue
-        everything = space.candidates(nid)  # one shared tuple per distinct rule
         node = graph.nodes[nid]
-        key = (id(everything), fully_use_devices and node.kind == "op",
-               node.name in CONTRACTIONS)
+        key = kinds[nid] = ("rule", space.rule(nid), fully_use_devices and node.kind == "op",
+                            node.name in CONTRACTIONS)
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
             # only permute which device holds which block; pins may still use them).
-            options = tuple(c for c in everything if all(
+            options = tuple(c for c in space.candidates(nid) if all(
                 list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
-            if key[1]:
-                options = _use_all_devices(options, mesh, key[2])
+            if key[2]:
+                options = _use_all_devices(options, mesh, key[3])
             filtered[key] = options
         cands[nid] = options
 
@@ -196,11 +199,11 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # port is an array of ids over its rep's candidates (repeated layers share the arrays).
     spec_ids: dict[Spec, int] = {}
     specs: list[Spec] = []
-    own_ports: dict[tuple[int, str, int], np.ndarray] = {}
+    own_ports: dict[tuple[tuple, str, int], np.ndarray] = {}
 
     def port(nid: int, side: str, idx: int) -> np.ndarray:
         options = cands[nid]
-        key = (id(options), side, idx)
+        key = (kinds[nid], side, idx)
         own = own_ports.get(key)
         if own is None:
             ids = []
@@ -228,7 +231,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             node = graph.nodes[nid]
             index = follow[nid][1] if nid in follow else None
             outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-            signature = (space.rule(nid), id(cands[nid]),
+            signature = (space.rule(nid), kinds[nid],
                          None if index is None else index.tobytes(), node.weight,
                          nid in gradients, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
             found = vectors.get(signature)

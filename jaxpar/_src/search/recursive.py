@@ -127,7 +127,7 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     node = graph.nodes[member]
     if node.kind != "op" or node.name not in CONTRACTIONS:
         return np.zeros(len(problem.cands[r]))
-    key = (id(problem.cands[r]), node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
+    key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
     if cache is not None and key in cache:
         return cache[key]
