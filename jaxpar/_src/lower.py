@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar._src.compat import bind_equation, scan_counts
-from jaxpar._src.graph import Const, Node, OpGraph
+from jaxpar._src.compat import bind_equation
+from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import Spec
 
@@ -136,15 +136,19 @@ class _Evaluator:
                 env[key] = value
 
     def eval_node(self, node: Node, env: dict) -> None:
-        if node.kind == "op":
+        if node.kind is NodeKind.OP:
             self.eval_op(node, env)
-        elif node.kind == "const":
+        elif node.kind is NodeKind.CONST:
             d = self.plan.decisions[node.id]
-            env[node.outputs[0]] = self.constrain(jnp.asarray(node.params["value"]),
-                                                  d.out_specs[0])
-        elif node.kind == "control":
-            {"scan": self.eval_scan, "while": self.eval_while,
-             "cond": self.eval_cond}[node.name](node, env)
+            env[node.outputs[0]] = self.constrain(jnp.asarray(node.constant), d.out_specs[0])
+        elif node.kind is NodeKind.CONTROL:
+            match node.structure:
+                case ScanRegion() as scan:
+                    self.eval_scan(node, scan, env)
+                case WhileRegion() as loop:
+                    self.eval_while(loop, env)
+                case CondRegion() as cond:
+                    self.eval_cond(node, cond, env)
         # input, output, enter, exit: filled by run() / the control node
 
     def eval_op(self, node: Node, env: dict) -> None:
@@ -166,110 +170,62 @@ class _Evaluator:
         return self.read(env, node.inputs[operand_index],
                          self.plan.decisions[nid].in_specs[operand_index])
 
-    def _exits(self, node: Node, env: dict, results: Sequence[Any]) -> None:
-        for eid in node.params.get("exits", ()):
-            e = self.graph.nodes[eid]
-            env[e.outputs[0]] = self.constrain(results[e.params["index"]],
-                                               self.plan.decisions[eid].out_specs[0])
+    def _exits(self, exits: Sequence[int], env: dict, results: Sequence[Any]) -> None:
+        for eid, value in zip(exits, results, strict=True):
+            env[self.graph.nodes[eid].outputs[0]] = self.constrain(
+                value, self.plan.decisions[eid].out_specs[0])
 
-    def _by_role(self, seq: Sequence[int]) -> dict[str, list[int]]:
-        roles: dict[str, list[int]] = {}
-        for nid in seq:
-            n = self.graph.nodes[nid]
-            if n.kind == "enter":
-                roles.setdefault(n.name, []).append(nid)
-        for ids in roles.values():
-            ids.sort(key=lambda i: self.graph.nodes[i].params["index"])
-        return roles
+    def _bind(self, env: dict, enters: Sequence[int], values: Sequence[Any]) -> dict:
+        for nid, value in zip(enters, values, strict=True):
+            self._enter(nid, env, value)
+        return env
 
-    def eval_scan(self, node: Node, env: dict) -> None:
+    def eval_scan(self, node: Node, scan: ScanRegion, env: dict) -> None:
         p = node.eqn.params
-        body = node.params["body"]
-        roles = self._by_role(body)
-        consts = [self._outer(n, env) for n in roles.get("const", [])]
-        init = [self._outer(n, env) for n in roles.get("carry", [])]
-        xs = [self._outer(n, env) for n in roles.get("xs", [])]
+        consts = [self._outer(n, env) for n in scan.consts]
+        init = [self._outer(n, env) for n in scan.carries]
+        xs = [self._outer(n, env) for n in scan.xs]
+        ys_exits = scan.exits[len(scan.carries):]
 
         def step(carry: list, x: list) -> tuple[list, list]:
-            benv: dict = {}
-            for nid, c in zip(roles.get("const", []), consts, strict=True):
-                self._enter(nid, benv, c)
-            for nid, c in zip(roles.get("carry", []), carry, strict=True):
-                self._enter(nid, benv, c)
-            for nid, xi in zip(roles.get("xs", []), x, strict=True):
-                self._enter(nid, benv, xi)
-            self.eval_seq(body, benv)
-            new = [self._outer(n, benv, 1) for n in roles.get("carry", [])]
-            ys = [self._exit_value(e, benv) for e in self._ys_exits(node)]
+            benv = self._bind({}, scan.consts + scan.carries + scan.xs, consts + carry + x)
+            self.eval_seq(scan.body, benv)
+            new = [self._outer(n, benv, 1) for n in scan.carries]
+            ys = [self._outer(e, benv) for e in ys_exits]
             return new, ys
 
         carry, ys = jax.lax.scan(step, init, xs, length=p["length"],
                                  reverse=p["reverse"], unroll=p["unroll"])
-        self._exits(node, env, list(carry) + list(ys))
+        self._exits(scan.exits, env, list(carry) + list(ys))
 
-    def _ys_exits(self, node: Node) -> list[int]:
-        _, nk = scan_counts(node.eqn.params)
-        exits = {self.graph.nodes[e].params["index"]: e for e in node.params.get("exits", ())}
-        n_out = len(node.eqn.outvars)
-        # every stacked output must be produced, even if dead outside (keep positions aligned)
-        return [exits.get(j) for j in range(nk, n_out)]
-
-    def _exit_value(self, eid: int | None, benv: dict) -> Any:
-        if eid is None:
-            raise AssertionError("a scan output without an exit node")
-        e = self.graph.nodes[eid]
-        return self.read(benv, e.inputs[0], self.plan.decisions[eid].in_specs[0])
-
-    def eval_while(self, node: Node, env: dict) -> None:
-        carries = node.params["carry_nodes"]
-        cond_roles = self._by_role(node.params["cond"])
-        body_roles = self._by_role(node.params["body"])
-        cconsts = [self._outer(n, env) for n in cond_roles.get("const", [])]
-        bconsts = [self._outer(n, env) for n in body_roles.get("const", [])]
-        init = [self._outer(n, env) for n in carries]
-
-        def bind(carry: Sequence[Any], consts: Sequence[Any], roles: dict) -> dict:
-            e: dict = {}
-            for nid, c in zip(carries, carry, strict=True):
-                self._enter(nid, e, c)
-            for nid, c in zip(roles.get("const", []), consts, strict=True):
-                self._enter(nid, e, c)
-            return e
+    def eval_while(self, loop: WhileRegion, env: dict) -> None:
+        cconsts = [self._outer(n, env) for n in loop.cond_consts]
+        bconsts = [self._outer(n, env) for n in loop.body_consts]
+        init = [self._outer(n, env) for n in loop.carries]
 
         def cond_fn(carry: list) -> Any:
-            cenv = bind(carry, cconsts, cond_roles)
-            self.eval_seq(node.params["cond"], cenv)
-            return self.read(cenv, node.params["predicate"], None)
+            cenv = self._bind({}, loop.carries + loop.cond_consts, list(carry) + cconsts)
+            self.eval_seq(loop.cond, cenv)
+            return self.read(cenv, loop.predicate, None)
 
         def body_fn(carry: list) -> list:
-            benv = bind(carry, bconsts, body_roles)
-            self.eval_seq(node.params["body"], benv)
-            return [self._outer(n, benv, 1) for n in carries]
+            benv = self._bind({}, loop.carries + loop.body_consts, list(carry) + bconsts)
+            self.eval_seq(loop.body, benv)
+            return [self._outer(n, benv, 1) for n in loop.carries]
 
         final = jax.lax.while_loop(cond_fn, body_fn, init)
-        self._exits(node, env, final)
+        self._exits(loop.exits, env, final)
 
-    def eval_cond(self, node: Node, env: dict) -> None:
-        enters = sorted(node.params["enter"], key=lambda i: self.graph.nodes[i].params["index"])
-        operands = [self._outer(n, env) for n in enters]
+    def eval_cond(self, node: Node, cond: CondRegion, env: dict) -> None:
+        operands = [self._outer(n, env) for n in cond.operands]
         index = self.read(env, node.inputs[0], None)
-        exits = sorted(node.params.get("exits", ()),
-                       key=lambda i: self.graph.nodes[i].params["index"])
-        n_out = len(node.eqn.outvars)
 
         def branch(k: int) -> Callable:
             def f(*ops: Any) -> list:
-                benv: dict = {}
-                for nid, o in zip(enters, ops, strict=True):
-                    self._enter(nid, benv, o)
-                self.eval_seq(node.params["branches"][k], benv)
-                outs = [self.read(benv, self.graph.nodes[e].inputs[k],
-                                  self.plan.decisions[e].in_specs[k]) for e in exits]
-                if len(outs) != n_out:
-                    raise AssertionError("a cond output without an exit node")
-                return outs
+                benv = self._bind({}, cond.operands, ops)
+                self.eval_seq(cond.branches[k], benv)
+                return [self._outer(e, benv, k) for e in cond.exits]
             return f
 
-        results = jax.lax.switch(index, [branch(k) for k in range(len(node.params["branches"]))],
-                                 *operands)
-        self._exits(node, env, results)
+        results = jax.lax.switch(index, [branch(k) for k in range(len(cond.branches))], *operands)
+        self._exits(cond.exits, env, results)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxpar._src.cost import Collective, CostModel
-from jaxpar._src.graph import Const, OpGraph
+from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.search.common import Assignment, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 
@@ -306,7 +306,7 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     for node in graph.nodes:
         in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
         out_shapes = tuple(graph.values[v].shape for v in node.outputs)
-        if node.kind == "control":
+        if node.kind is NodeKind.CONTROL:
             decisions.append(OpDecision(node.id, "control", node.name, node.source, "",
                                         in_shapes, out_shapes, (), (), "", node.weight, (), ()))
             continue

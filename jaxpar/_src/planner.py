@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxpar._src.context import ParallelMode, algo_parameters
 from jaxpar._src.errors import PlanError
+from jaxpar._src.graph import NodeKind
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
@@ -70,7 +71,7 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
                 f"{api}: the strategy file {path!r} does not match this program at node "
                 f"{node.id}: here {node.kind} {node.name} {list(shapes)} ({node.source}), in the "
                 f"file {d.kind} {d.name} {[list(s) for s in d.out_shapes]}.")
-        if node.kind == "control":
+        if node.kind is NodeKind.CONTROL:
             continue
         specs = {("in", i): s for i, s in enumerate(d.in_specs)}
         specs.update({("out", j): s for j, s in enumerate(d.out_specs)})

@@ -19,12 +19,18 @@ import jax.extend.core as jcore
 
 from jaxpar._src.compat import scan_counts, source_location
 from jaxpar._src.graph import (
+    CondRegion,
     Const,
+    Crossing,
     Node,
+    NodeKind,
     Operand,
     OpGraph,
     RematBlock,
+    Role,
+    ScanRegion,
     Value,
+    WhileRegion,
     build_consumers,
 )
 
@@ -110,8 +116,11 @@ class _Builder:
         self.remats: list[RematBlock] = []
 
     # -- construction -------------------------------------------------------------------------
-    def _node(self, kind: str, name: str, inputs: Sequence[Operand], out_avals: Sequence[Any],
-              seq: list[int], **fields: Any) -> tuple[int, list[int]]:
+    # Nodes are dicts of Node's fields until _finish renumbers them; a control node's region
+    # is a dict of lists (its exits are added as they are made), an enter or exit node's
+    # crossing a (control, role, index) triple.
+    def _node(self, kind: NodeKind, name: str, inputs: Sequence[Operand],
+              out_avals: Sequence[Any], seq: list[int], **fields: Any) -> tuple[int, list[int]]:
         nid = len(self.nodes)
         outs = []
         for j, aval in enumerate(out_avals):
@@ -130,14 +139,16 @@ class _Builder:
         jaxpr = closed.jaxpr
         inputs = []
         for var, path in zip(jaxpr.invars, in_paths, strict=True):
-            nid, (vid,) = self._node("input", "input", (), [var.aval], order, label=path)
+            nid, (vid,) = self._node(NodeKind.INPUT, "input", (), [var.aval], order,
+                                     label=path)
             env[var] = vid
             inputs.append(nid)
         self._bind_consts(jaxpr.constvars, closed.consts, env, order, 1.0, None)
         self._walk(jaxpr, env, order, 1.0, None)
         outputs = []
         for var, path in zip(jaxpr.outvars, out_paths, strict=True):
-            nid, _ = self._node("output", "output", [self._read(env, var)], (), order, label=path)
+            nid, _ = self._node(NodeKind.OUTPUT, "output", [self._read(env, var)], (), order,
+                                label=path)
             outputs.append(nid)
         return self._finish(order, inputs, outputs)
 
@@ -145,8 +156,8 @@ class _Builder:
                      seq: list[int], weight: float, region: int | None,
                      remat: int | None = None) -> None:
         for var, val in zip(constvars, consts, strict=True):
-            nid, (vid,) = self._node("const", "const", (), [var.aval], seq, weight=weight,
-                                     region=region, params={"value": val}, remat=remat)
+            nid, (vid,) = self._node(NodeKind.CONST, "const", (), [var.aval], seq, weight=weight,
+                                     region=region, constant=val, remat=remat)
             env[var] = vid
 
     @staticmethod
@@ -177,7 +188,7 @@ class _Builder:
             elif name == "cond":
                 self._cond(eqn, ins, env, seq, weight, region, remat)
             else:
-                _, outs = self._node("op", name, ins, [v.aval for v in eqn.outvars], seq,
+                _, outs = self._node(NodeKind.OP, name, ins, [v.aval for v in eqn.outvars], seq,
                                      eqn=eqn, source=source_location(eqn), weight=weight,
                                      region=region, remat=remat)
                 for var, vid in zip(eqn.outvars, outs, strict=True):
@@ -208,25 +219,28 @@ class _Builder:
 
     # -- control flow -------------------------------------------------------------------------
     def _control(self, eqn: Any, ins: Sequence[Operand], seq: list[int], weight: float,
-                 region: int | None, remat: int | None) -> int:
-        nid, _ = self._node("control", eqn.primitive.name, ins, (), seq, eqn=eqn,
+                 region: int | None, remat: int | None, **structure: Any) -> int:
+        nid, _ = self._node(NodeKind.CONTROL, eqn.primitive.name, ins, (), seq, eqn=eqn,
                             source=source_location(eqn), weight=weight, region=region,
-                            remat=remat)
+                            remat=remat, structure=dict(structure, exits=[]))
         return nid
 
-    def _enter(self, role: str, operand: Operand, aval: Any, cid: int, seq: list[int],
-               weight: float, index: int, source: str) -> int:
-        _, (vid,) = self._node("enter", role, [operand], [aval], seq, weight=weight, region=cid,
-                               params={"index": index}, source=source)
+    def _enter(self, role: Role, operand: Operand, aval: Any, cid: int, seq: list[int],
+               weight: float, index: int, group: str) -> int:
+        """An enter node, listed in its control node's region under ``group``."""
+        nid, (vid,) = self._node(NodeKind.ENTER, role, [operand], [aval], seq, weight=weight,
+                                 region=cid, crossing=(cid, role, index),
+                                 source=self.nodes[cid]["source"])
+        self.nodes[cid]["structure"][group].append(nid)
         return vid
 
-    def _exit(self, role: str, operands: Sequence[Operand], aval: Any, cid: int,
-              outer_seq: list[int], weight: float, index: int, source: str) -> int:
-        nid, (vid,) = self._node("exit", role, operands, [aval], outer_seq, weight=weight,
-                                 params={"index": index, "control": cid}, source=source,
-                                 region=self.nodes[cid].get("region"),
-                                 remat=self.nodes[cid].get("remat"))
-        self.nodes[cid].setdefault("params", {}).setdefault("exits", []).append(nid)
+    def _exit(self, role: Role, operands: Sequence[Operand], aval: Any, cid: int,
+              outer_seq: list[int], weight: float, index: int) -> int:
+        control = self.nodes[cid]
+        nid, (vid,) = self._node(NodeKind.EXIT, role, operands, [aval], outer_seq, weight=weight,
+                                 crossing=(cid, role, index), source=control["source"],
+                                 region=control.get("region"), remat=control.get("remat"))
+        control["structure"]["exits"].append(nid)
         return vid
 
     def _scan(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
@@ -234,90 +248,81 @@ class _Builder:
         p = eqn.params
         body = p["jaxpr"]
         nc, nk = scan_counts(p)
-        cid = self._control(eqn, ins, seq, weight, region, remat)
-        src = self.nodes[cid]["source"]
-        inner_w = weight * max(int(p["length"]), 1)
         body_seq: list[int] = []
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="scan", body=body_seq,
+                            consts=[], carries=[], xs=[])
+        inner_w = weight * max(int(p["length"]), 1)
         benv: dict[Any, Operand] = {}
-        carry_nodes = []
         for i, var in enumerate(body.jaxpr.invars):
-            if i < nc:
-                benv[var] = self._enter("const", ins[i], var.aval, cid, body_seq, inner_w, i, src)
-            elif i < nc + nk:
-                benv[var] = self._enter("carry", ins[i], var.aval, cid, body_seq, inner_w, i, src)
-                carry_nodes.append(len(self.nodes) - 1)
-            else:
-                benv[var] = self._enter("xs", ins[i], var.aval, cid, body_seq, inner_w, i, src)
+            role, group = ((Role.CONST, "consts") if i < nc else
+                           (Role.CARRY, "carries") if i < nc + nk else (Role.XS, "xs"))
+            benv[var] = self._enter(role, ins[i], var.aval, cid, body_seq, inner_w, i, group)
         self._bind_consts(body.jaxpr.constvars, body.consts, benv, body_seq, inner_w, cid)
         self._walk(body.jaxpr, benv, body_seq, inner_w, cid)
         outs = [self._read(benv, v) for v in body.jaxpr.outvars]
-        for k, node_id in enumerate(carry_nodes):
+        for k, node_id in enumerate(self.nodes[cid]["structure"]["carries"]):
             self.nodes[node_id]["inputs"].append(outs[k])  # the back edge
-        self.nodes[cid]["params"] = {"body": body_seq, "carry_nodes": carry_nodes}
         for j, var in enumerate(eqn.outvars):
-            role = "carry_out" if j < nk else "ys"
-            env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j, src)
+            role = Role.CARRY_OUT if j < nk else Role.YS
+            env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j)
 
     def _while(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
                region: int | None, remat: int | None) -> None:
         p = eqn.params
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cid = self._control(eqn, ins, seq, weight, region, remat)
-        src = self.nodes[cid]["source"]
-        inner_w = weight * WHILE_TRIP_ESTIMATE
         enter_seq: list[int] = []
         cond_seq: list[int] = []
         body_seq: list[int] = []
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="while", cond=cond_seq,
+                            body=body_seq, carries=[], cond_consts=[], body_consts=[])
+        inner_w = weight * WHILE_TRIP_ESTIMATE
         carries = ins[cn + bn:]
-        carry_vals, carry_nodes = [], []
-        for k, (operand, var) in enumerate(zip(carries, bj.jaxpr.invars[bn:], strict=True)):
-            carry_vals.append(self._enter("carry", operand, var.aval, cid, enter_seq, inner_w,
-                                          cn + bn + k, src))
-            carry_nodes.append(len(self.nodes) - 1)
+        carry_vals = [self._enter(Role.CARRY, operand, var.aval, cid, enter_seq, inner_w,
+                                  cn + bn + k, "carries")
+                      for k, (operand, var) in enumerate(zip(carries, bj.jaxpr.invars[bn:],
+                                                             strict=True))]
         cenv: dict[Any, Operand] = {}
         for i, var in enumerate(cj.jaxpr.invars[:cn]):
-            cenv[var] = self._enter("const", ins[i], var.aval, cid, cond_seq, inner_w, i, src)
+            cenv[var] = self._enter(Role.CONST, ins[i], var.aval, cid, cond_seq, inner_w, i,
+                                    "cond_consts")
         cenv.update(zip(cj.jaxpr.invars[cn:], carry_vals, strict=True))
         self._bind_consts(cj.jaxpr.constvars, cj.consts, cenv, cond_seq, inner_w, cid)
         self._walk(cj.jaxpr, cenv, cond_seq, inner_w, cid)
-        predicate = self._read(cenv, cj.jaxpr.outvars[0])
+        self.nodes[cid]["structure"]["predicate"] = self._read(cenv, cj.jaxpr.outvars[0])
         benv: dict[Any, Operand] = {}
         for i, var in enumerate(bj.jaxpr.invars[:bn]):
-            benv[var] = self._enter("const", ins[cn + i], var.aval, cid, body_seq, inner_w,
-                                    cn + i, src)
+            benv[var] = self._enter(Role.CONST, ins[cn + i], var.aval, cid, body_seq, inner_w,
+                                    cn + i, "body_consts")
         benv.update(zip(bj.jaxpr.invars[bn:], carry_vals, strict=True))
         self._bind_consts(bj.jaxpr.constvars, bj.consts, benv, body_seq, inner_w, cid)
         self._walk(bj.jaxpr, benv, body_seq, inner_w, cid)
         outs = [self._read(benv, v) for v in bj.jaxpr.outvars]
-        for k, node_id in enumerate(carry_nodes):
-            self.nodes[node_id]["inputs"].append(outs[k])
-        self.nodes[cid]["params"] = {"enter": enter_seq, "cond": cond_seq, "body": body_seq,
-                                     "carry_nodes": carry_nodes, "predicate": predicate}
+        for k, node_id in enumerate(self.nodes[cid]["structure"]["carries"]):
+            self.nodes[node_id]["inputs"].append(outs[k])  # the back edge
         for j, var in enumerate(eqn.outvars):
-            env[var] = self._exit("carry_out", [outs[j]], var.aval, cid, seq, weight, j, src)
+            env[var] = self._exit(Role.CARRY_OUT, [outs[j]], var.aval, cid, seq, weight, j)
 
     def _cond(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
               region: int | None, remat: int | None) -> None:
         branches = eqn.params["branches"]
-        cid = self._control(eqn, ins, seq, weight, region, remat)
-        src = self.nodes[cid]["source"]
+        branch_seqs: list[list[int]] = [[] for _ in branches]
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="cond",
+                            branches=branch_seqs, operands=[])
         enter_seq: list[int] = []
-        operands = [self._enter("operand", op, var.aval, cid, enter_seq, weight, i + 1, src)
+        operands = [self._enter(Role.OPERAND, op, var.aval, cid, enter_seq, weight, i + 1,
+                                "operands")
                     for i, (op, var) in enumerate(zip(ins[1:], branches[0].jaxpr.invars,
                                                       strict=True))]
-        branch_seqs, branch_outs = [], []
-        for br in branches:
-            bseq: list[int] = []
+        branch_outs = []
+        for br, bseq in zip(branches, branch_seqs, strict=True):
             benv: dict[Any, Operand] = dict(zip(br.jaxpr.invars, operands, strict=True))
             self._bind_consts(br.jaxpr.constvars, br.consts, benv, bseq, weight, cid)
             self._walk(br.jaxpr, benv, bseq, weight, cid)
-            branch_seqs.append(bseq)
             branch_outs.append([self._read(benv, v) for v in br.jaxpr.outvars])
-        self.nodes[cid]["params"] = {"enter": enter_seq, "branches": branch_seqs}
         for j, var in enumerate(eqn.outvars):
             merged = [outs[j] for outs in branch_outs]
-            env[var] = self._exit("merge", merged, var.aval, cid, seq, weight, j, src)
+            env[var] = self._exit(Role.MERGE, merged, var.aval, cid, seq, weight, j)
 
     # -- dead-code elimination and freezing ---------------------------------------------------
     def _finish(self, order: list[int], inputs: list[int], outputs: list[int]) -> OpGraph:
@@ -344,18 +349,11 @@ class _Builder:
             d["outputs"] = tuple(vmap[v] for v in d["outputs"])
             if d.get("region") is not None:
                 d["region"] = remap[d["region"]]
-            params = dict(d.get("params", {}))
-            if d["kind"] == "control":
-                for key in ("body", "cond", "enter", "carry_nodes", "exits"):
-                    if key in params:
-                        params[key] = ids(params[key])
-                if "branches" in params:
-                    params["branches"] = [ids(b) for b in params["branches"]]
-                if "predicate" in params:
-                    params["predicate"] = operand(params["predicate"])
-            if d["kind"] == "exit":
-                params["control"] = remap[params["control"]]
-            d["params"] = params
+            if d.get("crossing") is not None:
+                control, role, index = d["crossing"]
+                d["crossing"] = Crossing(remap[control], role, index)
+            if d.get("structure") is not None:
+                d["structure"] = _freeze_region(d["structure"], ids, operand, self.nodes)
             nodes.append(Node(**d))
         remats = []
         for block in self.remats:  # inputs that only dead code read are gone
@@ -373,8 +371,8 @@ class _Builder:
         for n in self.nodes:
             eqn = n.get("eqn")
             effectful = eqn is not None and bool(getattr(eqn, "effects", None))
-            if n["kind"] in ("input", "output", "enter", "exit", "control") or effectful:
-                work.append(n["id"])
+            if n["kind"] is not NodeKind.OP and n["kind"] is not NodeKind.CONST or effectful:
+                work.append(n["id"])  # the boundary and control structure always stay
         while work:
             nid = work.pop()
             if nid in keep:
@@ -382,10 +380,26 @@ class _Builder:
             keep.add(nid)
             n = self.nodes[nid]
             deps = list(n["inputs"])
-            if n["kind"] == "control" and "predicate" in n.get("params", {}):
-                deps.append(n["params"]["predicate"])
+            if n["kind"] is NodeKind.CONTROL and "predicate" in n["structure"]:
+                deps.append(n["structure"]["predicate"])
             for o in deps:
                 if isinstance(o, int):
                     work.append(self.values[o].producer)
         return keep
 
+
+
+def _freeze_region(region: dict[str, Any], ids: Callable[[Sequence[int]], list[int]],
+                   operand: Callable[[Operand], Operand], nodes: list[dict[str, Any]]
+                   ) -> ScanRegion | WhileRegion | CondRegion:
+    """A control node's region, renumbered, its exits by result position."""
+    def seq(key: str) -> tuple[int, ...]:
+        return tuple(ids(region[key]))
+
+    exits = tuple(ids(sorted(region["exits"], key=lambda e: nodes[e]["crossing"][2])))
+    if region["kind"] == "scan":
+        return ScanRegion(seq("body"), seq("consts"), seq("carries"), seq("xs"), exits)
+    if region["kind"] == "while":
+        return WhileRegion(seq("carries"), seq("cond_consts"), seq("body_consts"), seq("cond"),
+                           seq("body"), operand(region["predicate"]), exits)
+    return CondRegion(seq("operands"), tuple(tuple(ids(b)) for b in region["branches"]), exits)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxpar._src.graph import Const
+from jaxpar._src.graph import Const, NodeKind, Role
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
 from jaxpar._src.spec import Spec
@@ -145,7 +145,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             cands[nid] = filtered.setdefault(kinds[nid], (pinned[nid].strategy,))
             continue
         node = graph.nodes[nid]
-        key = kinds[nid] = ("rule", space.rule(nid), fully_use_devices and node.kind == "op",
+        key = kinds[nid] = ("rule", space.rule(nid), fully_use_devices and node.kind is NodeKind.OP,
                             node.name in CONTRACTIONS)
         options = filtered.get(key)
         if options is None:
@@ -187,7 +187,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 ok = False
                 break
             index[k] = match
-        if ok and node.kind != "control":
+        if ok and node.kind is not NodeKind.CONTROL:
             follow[nid] = (rep, index)
 
     reps = [n for n in searchable if n not in follow]
@@ -250,9 +250,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # -- edges --------------------------------------------------------------------------------
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrices: dict[tuple, np.ndarray] = {}
-    for producer, j, consumer, i in graph.edges():
-        if graph.nodes[consumer].kind == "control" or producer == consumer:
-            continue
+    for producer, j, consumer, i in graph.priced_edges():
         ru, rv = rep_of(producer), rep_of(consumer)
         src = port(producer, "out", j)
         dst = port(consumer, "in", i)
@@ -309,13 +307,13 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
     """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on."""
     graph = space.graph
     node = graph.nodes[nid]
-    if node.kind not in ("op", "output", "exit") or len(node.outputs) > 1:
+    if node.kind not in (NodeKind.OP, NodeKind.OUTPUT, NodeKind.EXIT) or len(node.outputs) > 1:
         return None
     values = [(i, o) for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
     if len(values) != 1:
         return None
     i, operand = values[0]
-    if node.kind == "op":
+    if node.kind is NodeKind.OP:
         rule = space.rule(nid)
         if rule.reductions or rule.blocked:
             return None
@@ -324,7 +322,7 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
         others = [t for k, t in enumerate(rule.operands) if k != i]
         if any(any(d) for t in others for d in t):
             return None
-    elif node.kind == "exit" and node.name not in ("carry_out",):
+    elif node.kind is NodeKind.EXIT and node.role is not Role.CARRY_OUT:
         return None
     v = graph.values[operand]
     return v.producer, v.index, i
@@ -364,19 +362,19 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
         node = graph.nodes[r]
         if r in forced:
             continue
-        if node.kind == "op" and node.source != "?":
+        if node.kind is NodeKind.OP and node.source != "?":
             keys[r] = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
-        elif node.kind in ("input", "const") and node.label:
+        elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
             keys[r] = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
-        elif node.kind == "op":
+        elif node.kind is NodeKind.OP:
             anonymous.append(r)
     ids: dict[tuple, int] = {}  # keys by number, so neighbours' keys compare cheaply
     for _ in range(4):  # a chain of anonymous operators takes keys from both ends
         named = {}
         for r in anonymous:
             node = graph.nodes[r]
-            around = sorted({ids.setdefault(keys[n], len(ids)) for p, _, c, _ in
-                             graph.neighbours(r) for n in (p, c) if n != r and n in keys})
+            around = sorted({ids.setdefault(keys[n], len(ids)) for e in graph.neighbours(r)
+                             for n in (e.producer, e.consumer) if n != r and n in keys})
             if around:
                 named[r] = ("near", node.name, tuple(around), space.rule(r), node.weight,
                             cands[r])

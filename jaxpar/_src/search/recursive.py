@@ -32,7 +32,7 @@ import collections
 
 import numpy as np
 
-from jaxpar._src.graph import Const
+from jaxpar._src.graph import Const, NodeKind
 from jaxpar._src.search.polish import better, edge_rows, improve, refine
 from jaxpar._src.search.problem import Problem
 
@@ -49,7 +49,7 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     implied = {r: sum(_implied_cost(problem, r, m, priced) for m in problem.members_of(r))
                for r in problem.reps}
     weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
-              if graph.nodes[r].kind == "op" else 0.0 for r in problem.reps}
+              if graph.nodes[r].kind is NodeKind.OP else 0.0 for r in problem.reps}
     light = {r for r in problem.reps if weight[r] == 0.0 or graph.nodes[r].name not in
              CONTRACTIONS}
     best, best_cost = None, None
@@ -125,7 +125,7 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     space = problem.space
     graph = space.graph
     node = graph.nodes[member]
-    if node.kind != "op" or node.name not in CONTRACTIONS:
+    if node.kind is not NodeKind.OP or node.name not in CONTRACTIONS:
         return np.zeros(len(problem.cands[r]))
     key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
