@@ -16,7 +16,7 @@ import jaxpar
 from jaxpar._src.cost import CostModel
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.lower import make_evaluator, named_sharding
-from jaxpar._src.plan import make_plan
+from jaxpar._src.planner import make_plan
 from jaxpar._src.search import Assignment, SearchSpace
 from jaxpar._src.spec import MeshShape
 from jaxpar._src.trace import trace

@@ -34,8 +34,8 @@ from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.layout import Layout
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
-from jaxpar._src.plan import ShardingPlan, make_plan
-from jaxpar._src.planner import decide, load_strategies
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
