@@ -15,9 +15,9 @@ import pytest
 import jaxpar
 from jaxpar._src.cost import CostModel
 from jaxpar._src.hardware import HardwareProfile
-from jaxpar._src.search import auto, elimination, optimal, polish
+from jaxpar._src.search import SearchRequest, elimination, get_search, modes, optimal, polish
 from jaxpar._src.search.common import SearchSpace
-from jaxpar._src.search.problem import Problem
+from jaxpar._src.search.problem import Problem, build_problem
 from jaxpar._src.spec import MeshShape
 from jaxpar._src.trace import trace
 from tests import auto_models as am
@@ -54,7 +54,7 @@ def work(monkeypatch):
         return choice, stats
 
     monkeypatch.setattr(optimal, "milp", milp)
-    for module in (auto, polish):
+    for module in (modes, polish):
         monkeypatch.setattr(module, "solve_elimination", solve_elimination)
     return record
 
@@ -63,13 +63,14 @@ def work(monkeypatch):
 def test_searches_on_a_three_axis_mesh_stay_within_their_work_bounds(scan_cumprod_space, work,
                                                                       mode):
     space = scan_cumprod_space
-    full = optimal.ilp_variables(auto.build_problem(space, []))
-    assert full > 4 * auto.OPTIMAL_VARIABLES  # what an unbounded exact search would solve
+    full = optimal.ilp_variables(build_problem(space, []))
+    assert full > 4 * modes.OPTIMAL_VARIABLES  # what an unbounded exact search would solve
     t0 = time.perf_counter()
-    assignment, report, _ = auto.auto_search(space, [], search_mode=mode)
+    result = get_search(mode)(SearchRequest(space))
+    assignment, report = result.assignment, result.report
     elapsed = time.perf_counter() - t0
-    assert max(work["relaxations"], default=0) <= auto.OPTIMAL_VARIABLES
-    assert max(work["integer"], default=0) <= max(auto.BRANCH_VARIABLES,
+    assert max(work["relaxations"], default=0) <= modes.OPTIMAL_VARIABLES
+    assert max(work["integer"], default=0) <= max(modes.BRANCH_VARIABLES,
                                                   optimal.NEIGHBOURHOOD_VARIABLES)
     for stats in work["eliminations"]:
         assert stats.largest_table <= elimination.WORK_LIMIT

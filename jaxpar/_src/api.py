@@ -14,7 +14,6 @@ from jax.sharding import Mesh
 
 from jaxpar._src import pins as pinlib
 from jaxpar._src.context import (
-    SEARCH_MODES,
     AlgoParameters,
     ParallelMode,
     algo_parameters,
@@ -37,7 +36,7 @@ from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.rules import strategy_for_specs
-from jaxpar._src.search import Pin, SearchSpace
+from jaxpar._src.search import Pin, SearchSpace, search_modes
 from jaxpar._src.spec import MeshShape, Spec
 from jaxpar._src.state import state_ties
 from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf, mesh_for_slice_counts
@@ -83,9 +82,9 @@ class Parallelized:
         self._fn = fn
         self._mesh = mesh
         self._mode = None if parallel_mode is None else _mode(parallel_mode)
-        if search_mode is not None and search_mode not in SEARCH_MODES:
+        if search_mode is not None and search_mode not in search_modes():
             raise ContextError(f"{api}: search_mode {search_mode!r} is not one of "
-                               f"{list(SEARCH_MODES)}.")
+                               f"{list(search_modes())}.")
         self._search_mode = search_mode
         self._in_strategy = in_strategy
         self._out_strategy = out_strategy

@@ -3,8 +3,8 @@
 
 * ``stand_alone``: everything replicated on one device;
 * ``data_parallel`` and ``semi_auto_parallel``: sharding propagation from the pins;
-* ``auto_parallel``: ``sharding_propagation``, or one of the searches (``recursive_programming``,
-  ``dynamic_programming``, ``optimal``) over the coarse problem;
+* ``auto_parallel``: the registered search mode (``search/modes.py``: ``sharding_propagation``,
+  ``recursive_programming``, ``dynamic_programming``, ``optimal``);
 * ``strategy_ckpt_load_file``: the strategies of a saved plan, checked against this program,
   instead of any search (MindSpore's ``strategy_ckpt_load_file``); ``strategy_ckpt_save_file``
   writes the plan after planning.
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,36 +21,36 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.rules import strategy_for_specs
-from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
-from jaxpar._src.search.auto import auto_search
+from jaxpar._src.search import (
+    Assignment,
+    Pin,
+    SearchRequest,
+    SearchResult,
+    SearchSpace,
+    get_search,
+)
 from jaxpar._src.search.memory import peak_memory
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    assignment: Assignment
-    search_mode: str  # what decided: "none", "sharding_propagation", a search, or a file
-    report: Any = None  # SearchReport of an automatic search
-    details: Any = None  # per node: cost terms and runner-up
 
 
 def decide(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]], *,
            mode: ParallelMode, search_mode: str, baseline_pins: Sequence[Pin] | None,
-           api: str) -> Decision:
+           api: str) -> SearchResult:
+    """Every searchable node's strategy for ``mode``: replicated (``stand_alone``),
+    propagated from the pins (``data_parallel``, ``semi_auto_parallel``), or searched by the
+    registered ``search_mode`` (``auto_parallel``)."""
     graph = space.graph
     if mode is ParallelMode.STAND_ALONE:
-        return Decision(Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
-                                   {n.id: "stand_alone" for n in graph.searchable()}), "none")
-    if mode is not ParallelMode.AUTO_PARALLEL or search_mode == "sharding_propagation":
-        return Decision(propagate(space, pins, ties=ties, where=api), "sharding_propagation")
-    algo = algo_parameters()
-    assignment, report, details = auto_search(
-        space, pins, search_mode=search_mode, ties=ties, baseline_pins=baseline_pins,
-        fully_use_devices=algo.fully_use_devices)
-    return Decision(assignment, search_mode, report, details)
+        return SearchResult(
+            Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
+                       {n.id: "stand_alone" for n in graph.searchable()}), "none")
+    name = search_mode if mode is ParallelMode.AUTO_PARALLEL else "sharding_propagation"
+    request = SearchRequest(space, tuple(pins), tuple(ties),
+                            None if baseline_pins is None else tuple(baseline_pins),
+                            algo_parameters().fully_use_devices, api)
+    return get_search(name, where=api)(request)
 
 
-def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
+def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
     """The strategies of the plan saved at ``path``, checked node by node against this graph."""
     try:
         saved = ShardingPlan.load(path)
@@ -84,7 +83,7 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
                             f"({node.name} at {node.source}) layouts its rule does not allow.")
         strategies[node.id] = strategy
         origins[node.id] = f"loaded ({d.origin})" if d.origin else "loaded"
-    return Decision(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
+    return SearchResult(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
 
 
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
