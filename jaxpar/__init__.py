@@ -50,6 +50,8 @@ from jaxpar._src.plan import ShardingPlan as ShardingPlan
 from jaxpar._src.ps.context import get_ps_context as get_ps_context
 from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
 from jaxpar._src.ps.context import set_ps_context as set_ps_context
+from jaxpar._src.rules import OpCategory as OpCategory
+from jaxpar._src.rules import OpView as OpView
 from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
@@ -78,7 +80,8 @@ __all__ = [
     "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
     "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
     "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",
-    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PSError",
+    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpCategory", "OpDecision",
+    "OpView", "PSError",
     "PYNATIVE_MODE", "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar",
     "RuleBuilder", "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
     "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",

@@ -19,8 +19,9 @@ from jaxpar._src.cost import Collective
 from jaxpar._src.spec import MeshShape, Spec
 
 USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
-HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter",
-                   "sharding_constraint"})
+# Listed by explain() besides anything that communicates: the categories of work worth seeing
+# (the rules say which operators are contractions or gathers), and the user's own pins.
+LISTED_CATEGORIES = frozenset({"contraction", "indexing"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ class OpDecision:
     terms: tuple[float, float, float] | None = None
     runner_up: tuple[tuple[Spec, ...], tuple[Spec, ...]] | None = None
     runner_up_extra_s: float = 0.0
+    category: str = "other"  # of its rule: "contraction", "indexing" or "other"
 
     @property
     def comm_time(self) -> float:
@@ -224,7 +226,8 @@ class ShardingPlan:
             elif d.kind == "output":
                 keep = False
             else:
-                keep = d.comm_bytes > 0 or d.name in HEAVY or pinned
+                keep = (d.comm_bytes > 0 or d.category in LISTED_CATEGORIES or pinned
+                        or d.name == "sharding_constraint")
             if not (keep or verbose):
                 continue
             name = d.label if d.kind in ("input", "output") else (

@@ -135,7 +135,8 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
             node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
             strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
             node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists), flops=space.op_cost(node.id, strat).flops, **extra))
+            tuple(redists), flops=space.op_cost(node.id, strat).flops,
+            category=str(space.rule(node.id).category), **extra))
     unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
     notes = list(notes)
     if unreached:

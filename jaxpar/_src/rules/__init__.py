@@ -9,6 +9,7 @@ from jaxpar._src.graph import Node, NodeKind, OpGraph, Role
 from jaxpar._src.rules import contraction, elementwise, indexing, random, reductions, shape_ops
 from jaxpar._src.rules.factors import (
     FactorRule,
+    OpCategory,
     OpStrategy,
     RuleBuilder,
     enumerate_strategies,
@@ -18,8 +19,9 @@ from jaxpar._src.rules.factors import (
 from jaxpar._src.rules.registry import OpView, register_rule, registered_primitives, rule_of
 
 __all__ = [
-    "FactorRule", "OpStrategy", "OpView", "RuleBuilder", "enumerate_strategies", "op_view",
-    "register_rule", "registered_primitives", "rule_for", "specs_for", "strategy_for_specs",
+    "FactorRule", "OpCategory", "OpStrategy", "OpView", "RuleBuilder", "enumerate_strategies",
+    "op_view", "register_rule", "registered_primitives", "rule_for", "specs_for",
+    "strategy_for_specs",
 ]
 del contraction, elementwise, indexing, random, reductions, shape_ops
 

@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 from jaxpar._src.cost import Cost, CostModel
 from jaxpar._src.graph import Node, NodeKind, OpGraph
-from jaxpar._src.rules import FactorRule, OpStrategy, enumerate_strategies, op_view, rule_for
+from jaxpar._src.rules import (
+    FactorRule,
+    OpCategory,
+    OpStrategy,
+    enumerate_strategies,
+    op_view,
+    rule_for,
+)
 from jaxpar._src.spec import Spec
 
 
@@ -80,7 +87,7 @@ class SearchSpace:
                     continue
                 seen.add(nid)
                 node = graph.nodes[nid]
-                if node.kind == "op" and node.name in ("dot_general", "conv_general_dilated") \
+                if self.rule(nid).category is OpCategory.CONTRACTION \
                         and nid not in graph.outputs:
                     continue  # the contraction that made the gradient: stop here
                 for o in node.inputs:

@@ -4,8 +4,8 @@ From the operator graph and the cost model it builds a smaller *coarse graph*:
 
 * every searchable node gets its candidate strategies, a pinned node exactly one.
   ``fully_use_devices`` (MindSpore's algorithm parameter, on by default) makes contractions
-  (``dot_general``, convolutions: the work worth splitting) split over every device when they
-  can;
+  (rules registered as ``OpCategory.CONTRACTION``: ``dot_general``, convolutions, the work worth
+  splitting) split over every device when they can;
 * a node that only passes one input through (an elementwise operator of one tensor, a
   conversion, an unpinned result) **follows** its producer: it is folded into the producer,
   taking, for each of the producer's candidates, the candidate that matches it exactly; a state
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxpar._src.graph import Const, NodeKind, Role
-from jaxpar._src.rules import OpStrategy
+from jaxpar._src.rules import OpCategory, OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
 from jaxpar._src.spec import Spec
 
@@ -145,8 +145,9 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             cands[nid] = filtered.setdefault(kinds[nid], (pinned[nid].strategy,))
             continue
         node = graph.nodes[nid]
-        key = kinds[nid] = ("rule", space.rule(nid), fully_use_devices and node.kind is NodeKind.OP,
-                            node.name in CONTRACTIONS)
+        rule = space.rule(nid)
+        key = kinds[nid] = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
+                            rule.category is OpCategory.CONTRACTION)
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
@@ -277,7 +278,6 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins)
 
 
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 TIE_BREAK_S_PER_BYTE = 1e-21
 
 

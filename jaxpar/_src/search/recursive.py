@@ -33,10 +33,9 @@ import collections
 import numpy as np
 
 from jaxpar._src.graph import Const, NodeKind
+from jaxpar._src.rules import OpCategory
 from jaxpar._src.search.polish import better, edge_rows, improve, refine
 from jaxpar._src.search.problem import Problem
-
-CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
@@ -50,8 +49,8 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
                for r in problem.reps}
     weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
               if graph.nodes[r].kind is NodeKind.OP else 0.0 for r in problem.reps}
-    light = {r for r in problem.reps if weight[r] == 0.0 or graph.nodes[r].name not in
-             CONTRACTIONS}
+    light = {r for r in problem.reps
+             if weight[r] == 0.0 or space.rule(r).category is not OpCategory.CONTRACTION}
     best, best_cost = None, None
     orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
     axes = tuple(space.model.mesh.names)
@@ -125,7 +124,7 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     space = problem.space
     graph = space.graph
     node = graph.nodes[member]
-    if node.kind is not NodeKind.OP or node.name not in CONTRACTIONS:
+    if space.rule(member).category is not OpCategory.CONTRACTION:
         return np.zeros(len(problem.cands[r]))
     key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
