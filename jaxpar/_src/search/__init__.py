@@ -6,7 +6,7 @@ mode by name through the registry (``registry.py``).
 
 from jaxpar._src.search import modes
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
-from jaxpar._src.search.propagation import best_response, propagate
+from jaxpar._src.search.propagation import propagate
 from jaxpar._src.search.registry import (
     Search,
     SearchReport,
@@ -18,6 +18,6 @@ from jaxpar._src.search.registry import (
 )
 
 __all__ = ["Assignment", "Pin", "Search", "SearchReport", "SearchRequest", "SearchResult",
-           "SearchSpace", "best_response", "get_search", "propagate", "register_search",
+           "SearchSpace", "get_search", "propagate", "register_search",
            "search_modes"]
 del modes

@@ -74,8 +74,3 @@ def replicated_peak(graph: OpGraph) -> float:
         delta[first] += b
         delta[stop + 1] -= b
     return float(np.max(np.cumsum(delta)[:n]))
-
-
-def live_at(graph: OpGraph, position: int) -> list[int]:
-    """Values live at a graph position."""
-    return [vid for vid, first, stop in live_ranges(graph) if first <= position <= stop]

@@ -100,9 +100,6 @@ class Problem:
             total += float(m[choice[u], choice[v]])
         return total
 
-    def memory(self, choice: Mapping[int, int]) -> float:
-        return sum(float(self.mem[r][choice[r]]) for r in self.reps)
-
     def neighbours(self) -> dict[int, set[int]]:
         adj: dict[int, set[int]] = {r: set() for r in self.reps}
         for u, v in self.edges:
@@ -115,16 +112,6 @@ class Problem:
         out = {r: self.cands[r][choice[r]] for r in self.reps}
         for f, (rep, index_map) in self.follow.items():
             out[f] = self.cands[f][int(index_map[choice[rep]])]
-        return out
-
-    def choice_of(self, strategies: Mapping[int, OpStrategy]) -> dict[int, int] | None:
-        """The candidate indices of a full assignment, if every rep's strategy is a candidate."""
-        out = {}
-        for r in self.reps:
-            try:
-                out[r] = self.cands[r].index(strategies[r])
-            except ValueError:
-                return None
         return out
 
 
