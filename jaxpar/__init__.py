@@ -62,6 +62,8 @@ from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
 from jaxpar._src.ps.context import set_ps_context as set_ps_context
 from jaxpar._src.report.build import Report as Report
 from jaxpar._src.report.diff import PlanDiff as PlanDiff
+from jaxpar._src.rules import OpCategory as OpCategory
+from jaxpar._src.rules import OpView as OpView
 from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
@@ -93,7 +95,8 @@ __all__ = [
     "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
     "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
     "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",
-    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PSError",
+    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpCategory", "OpDecision",
+    "OpView", "PSError",
     "PYNATIVE_MODE", "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar",
     "RuleBuilder", "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
     "auto_mixed_precision", "auto_parallel_context", "calibrate", "calibration_path", "dataset",

@@ -84,3 +84,29 @@ def wide_mlp(batch=2048, d=512, h=2048):
         return jnp.mean(jnp.tanh(jax.nn.relu(x @ p["w1"]) @ p["w2"]) ** 2)
 
     return sgd_step(loss), (params, x)
+
+
+def scan_cumprod_loss(params, x):
+    """A scan over layers of [batch, seq, d] activations, then a ``cumprod`` along the
+    sequence, a head and a ``cond``: on a mesh of three axes every operator has 27 to 125
+    candidates and the exact searches' integer programs grow past a million variables."""
+    def layer(h, p):
+        w, b = p
+        h = jnp.tanh(jnp.einsum("bsd,de->bse", h, w) + b)
+        return h, jnp.sum(h, axis=1)
+
+    h, sums = jax.lax.scan(layer, x, (params["w"], params["b"]))
+    c = jnp.cumprod(1 + 0.01 * h, axis=1)
+    h2 = jax.nn.relu(jnp.einsum("bsd,de->bse", c, params["head"]))
+    h3 = jax.lax.cond(jnp.sum(h2) > 0, lambda a: a * 2, lambda a: a - 1, h2)
+    return jnp.mean(h3 ** 2) + 0.01 * jnp.sum(sums ** 2)
+
+
+def scan_cumprod(layers: int = 4, batch: int = 8, seq: int = 16, d: int = 32):
+    """:func:`scan_cumprod_loss` as an SGD step: ``(step, (params, x))`` (171 operators)."""
+    k = jax.random.split(jax.random.key(5), 3)
+    params = {"w": jax.random.normal(k[0], (layers, d, d)) / d ** 0.5,
+              "b": jnp.zeros((layers, d)),
+              "head": jax.random.normal(k[1], (d, d)) / d ** 0.5}
+    x = jax.random.normal(k[2], (batch, seq, d))
+    return sgd_step(scan_cumprod_loss), (params, x)

@@ -30,9 +30,9 @@ from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
-from jaxpar._src.plan import ShardingPlan, make_plan
+from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_files import check_save_path
-from jaxpar._src.planner import decide, load_strategies
+from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.report.context import remember
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec

@@ -17,10 +17,11 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxpar._src.context import SEARCH_MODES, ParallelMode
+from jaxpar._src.context import ParallelMode
 from jaxpar._src.errors import ContextError, PlanError
 from jaxpar._src.hardware import PRESETS, HardwareProfile
 from jaxpar._src.mesh import check_auto_axes
+from jaxpar._src.search import search_modes
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -109,9 +110,9 @@ argument 3, but the function takes 1 positional argument(s) (x). Use numbers fro
                                f"jaxpar.make_mesh), got {type(mesh).__name__}.")
         check_auto_axes(mesh, api)
     mode = None if parallel_mode is None else parse_mode(parallel_mode)
-    if search_mode is not None and search_mode not in SEARCH_MODES:
+    if search_mode is not None and search_mode not in search_modes():
         raise ContextError(f"{api}: search_mode {search_mode!r} is not one of "
-                           f"{list(SEARCH_MODES)}.")
+                           f"{list(search_modes())}.")
     if hardware is not None and not isinstance(hardware, HardwareProfile) and not (
             isinstance(hardware, str) and (hardware in PRESETS or hardware == "calibrated")):
         raise ContextError(f"{api}: hardware must be a jaxpar.HardwareProfile, a preset name "

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxpar._src.errors import ContextError
 from jaxpar._src.fusion import CommFusion, check_split_indices
 from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.search import search_modes
 
 
 class ParallelMode(enum.StrEnum):
@@ -35,7 +36,6 @@ class ParallelMode(enum.StrEnum):
     AUTO_PARALLEL = "auto_parallel"  # searched with search_mode
 
 
-SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "optimal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +88,9 @@ def _validate(key: str, value: Any) -> Any:
                 f"jaxpar: parallel_mode {value!r} is not one of "
                 f"{[m.value for m in ParallelMode]}.") from None
     if key == "search_mode":
-        if value not in SEARCH_MODES:
+        if value not in search_modes():  # the registered modes (search/registry.py)
             raise ContextError(
-                f"jaxpar: search_mode {value!r} is not one of {list(SEARCH_MODES)}.")
+                f"jaxpar: search_mode {value!r} is not one of {list(search_modes())}.")
         return value
     if key == "device_num" and value is not None:
         if not isinstance(value, int) or value < 1:

@@ -12,17 +12,16 @@ import collections
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from jaxpar._src.cost import Collective, CostModel
-from jaxpar._src.graph import Const, OpGraph
-from jaxpar._src.search.common import Assignment, SearchSpace
+from jaxpar._src.cost import Collective
 from jaxpar._src.spec import MeshShape, Spec
 
 USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
-HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter",
-                   "sharding_constraint"})
+# Listed by explain() besides anything that communicates: the categories of work worth seeing
+# (the rules say which operators are contractions or gathers), and the user's own pins.
+LISTED_CATEGORIES = frozenset({"contraction", "indexing"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +85,7 @@ class OpDecision:
     terms: tuple[float, float, float] | None = None
     runner_up: tuple[tuple[Spec, ...], tuple[Spec, ...]] | None = None
     runner_up_extra_s: float = 0.0
+    category: str = "other"  # of its rule: "contraction", "indexing" or "other"
 
     @property
     def comm_time(self) -> float:
@@ -244,7 +244,8 @@ class ShardingPlan:
             elif d.kind == "output":
                 keep = False
             else:
-                keep = d.comm_bytes > 0 or d.name in HEAVY or pinned
+                keep = (d.comm_bytes > 0 or d.category in LISTED_CATEGORIES or pinned
+                        or d.name == "sharding_constraint")
             if not (keep or verbose):
                 continue
             name = d.label if d.kind in ("input", "output") else (
@@ -349,76 +350,6 @@ class ShardingPlan:
         from jaxpar._src.plan_files import load_plan
 
         return load_plan(path)
-
-
-def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
-              Sequence[int], parallel_mode: str, search_mode: str,
-              notes: Iterable[str] = (), details: Mapping[int, Any] | None = None,
-              report: Any = None) -> ShardingPlan:
-    """Assembles a plan from a search's assignment, pricing every node and edge.
-
-    ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
-    from the automatic searches.
-    """
-    model: CostModel = space.model
-    strategies = assignment.strategies
-    details = details or {}
-    decisions = []
-    for node in graph.nodes:
-        in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
-        out_shapes = tuple(graph.values[v].shape for v in node.outputs)
-        if node.kind == "control":
-            decisions.append(OpDecision(node.id, "control", node.name, node.source, "",
-                                        in_shapes, out_shapes, (), (), "", node.weight, (), ()))
-            continue
-        strat = strategies[node.id]
-        own = model.op_collectives(strat, out_shapes,
-                                   [graph.values[v].dtype for v in node.outputs],
-                                   combined=node.id in space.gradients)
-        redists = []
-        for i, operand in enumerate(node.inputs):
-            if isinstance(operand, Const):
-                continue
-            value = graph.values[operand]
-            producer = value.producer
-            src = strategies[producer].out_specs[value.index]
-            dst = strat.in_specs[i]
-            if src == dst or producer == node.id:
-                continue
-            w = space.edge_weight(producer, node.id)
-            colls = model.redistribution(src, dst, value.shape, value.dtype)
-            redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
-                                          tuple(PredictedCollective.of(c, w) for c in colls)))
-        detail = details.get(node.id)
-        extra = {}
-        if detail is not None:
-            extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
-            if detail.runner_up is not None:
-                extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
-                extra["runner_up_extra_s"] = detail.runner_up_extra_s
-        decisions.append(OpDecision(
-            node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
-            strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
-            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists), flops=space.op_cost(node.id, strat).flops, **extra))
-    unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
-    notes = list(notes)
-    if unreached:
-        notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
-    from jaxpar._src.search.memory import peak_memory
-
-    hw = model.hw
-    stats: dict[str, Any] = {
-        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
-        "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
-        "memory_budget": float(hw.memory_per_device)}
-    if report is not None:
-        notes.extend(report.notes)
-        stats.update(search_s=report.search_s, objective_s=report.objective_s,
-                     baseline_s=report.baseline_s, optimal=report.optimal)
-    return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
-                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes),
-                        **stats)
 
 
 # -- formatting helpers -------------------------------------------------------------------------

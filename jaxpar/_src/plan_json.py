@@ -43,6 +43,8 @@ def _decision_to(d: OpDecision) -> dict:
             "in_index": r.in_index, "src": r.src.to_json(), "dst": r.dst.to_json(),
             "collectives": [_coll_to(c) for c in r.collectives]} for r in d.redistributions],
     }
+    if d.category != "other":
+        out["category"] = d.category
     if d.terms is not None:
         out["terms"] = list(d.terms)
     if d.runner_up is not None:
@@ -65,7 +67,8 @@ def _decision_from(d: dict) -> OpDecision:
         terms=tuple(d["terms"]) if "terms" in d else None,
         runner_up=(_unspecs(d["runner_up"][0]), _unspecs(d["runner_up"][1]))
         if "runner_up" in d else None,
-        runner_up_extra_s=d.get("runner_up_extra_s", 0.0))
+        runner_up_extra_s=d.get("runner_up_extra_s", 0.0),
+        category=d.get("category", "other"))
 
 
 def plan_to_dict(plan: ShardingPlan) -> dict:

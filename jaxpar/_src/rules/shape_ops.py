@@ -168,8 +168,36 @@ def _split_rule(op: OpView) -> FactorRule:
     return b.build([shared], [shared] * len(op.out_shapes))
 
 
+@register_rule("stack")
+def _stack_rule(op: OpView) -> FactorRule:
+    """``stack[axis]``: operands of one shape become slices of a new dimension, which stays
+    whole (as ``concatenate``'s axis); the others are shared."""
+    axis = op.params["axis"]
+    b = RuleBuilder()
+    shared = b.factors(op.in_shapes[0])
+    return b.build([shared] * len(op.in_shapes), [shared[:axis] + [None] + shared[axis:]])
+
+
+@register_rule("unstack")
+def _unstack_rule(op: OpView) -> FactorRule:
+    """``unstack[axis]``: the inverse of ``stack``; the unstacked dimension stays whole."""
+    axis = op.params["axis"]
+    b = RuleBuilder()
+    shared = b.factors(op.out_shapes[0])
+    return b.build([shared[:axis] + [None] + shared[axis:]], [shared] * len(op.out_shapes))
+
+
 @register_rule("iota")
 def _iota_rule(op: OpView) -> FactorRule:
     b = RuleBuilder()
     out = op.out_shapes[0]
     return b.build([], [b.factors(out)], flops=math.prod(out))
+
+
+@register_rule("empty", "empty2")
+def _empty_rule(op: OpView) -> FactorRule:
+    """Uninitialised memory (``empty2``: the scalar the gradient of ``lax.cond`` broadcasts
+    for a branch's unused outputs): any split of the result, no work."""
+    b = RuleBuilder()
+    return b.build([[None] * len(s) for s in op.in_shapes],
+                   [b.factors(s) for s in op.out_shapes])

@@ -6,8 +6,15 @@ import dataclasses
 from collections.abc import Mapping
 
 from jaxpar._src.cost import Cost, CostModel
-from jaxpar._src.graph import Node, OpGraph
-from jaxpar._src.rules import FactorRule, OpStrategy, enumerate_strategies, op_view, rule_for
+from jaxpar._src.graph import Node, NodeKind, OpGraph
+from jaxpar._src.rules import (
+    FactorRule,
+    OpCategory,
+    OpStrategy,
+    enumerate_strategies,
+    op_view,
+    rule_for,
+)
 from jaxpar._src.spec import Spec
 
 
@@ -80,7 +87,7 @@ class SearchSpace:
                     continue
                 seen.add(nid)
                 node = graph.nodes[nid]
-                if node.kind == "op" and node.name in ("dot_general", "conv_general_dilated") \
+                if self.rule(nid).category is OpCategory.CONTRACTION \
                         and nid not in graph.outputs:
                     continue  # the contraction that made the gradient: stop here
                 for o in node.inputs:
@@ -107,13 +114,11 @@ class SearchSpace:
         graph = self.graph
         hw = self.model.hw
         total = sum(self.op_cost(n.id, strategies[n.id]).time(hw) for n in graph.searchable())
-        for producer, j, consumer, i in graph.edges():
-            if graph.nodes[consumer].kind == "control" or producer == consumer:
-                continue
-            src = strategies[producer].out_specs[j]
-            dst = strategies[consumer].in_specs[i]
+        for e in graph.priced_edges():
+            src = strategies[e.producer].out_specs[e.out_index]
+            dst = strategies[e.consumer].in_specs[e.in_index]
             if src != dst:
-                total += self.edge_time(producer, j, src, consumer, dst)
+                total += self.edge_time(e.producer, e.out_index, src, e.consumer, dst)
         return total
 
     def edge_cost(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
@@ -124,7 +129,7 @@ class SearchSpace:
 
 
 def _shapes(graph: OpGraph, node: Node) -> tuple:
-    if node.kind == "op":
+    if node.kind is NodeKind.OP:
         view = op_view(graph, node)
         return view.in_shapes, view.in_dtypes, view.out_shapes, view.out_dtypes
     ins = tuple(graph.operand_shape(o) for o in node.inputs)
