@@ -11,6 +11,7 @@ with the budget and the smallest plan it found.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,6 +22,7 @@ from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.elimination import solve_elimination
 from jaxpar._src.search.memory import live_ranges, peak_memory, replicated_peak
+from jaxpar._src.search.names import prefer_names
 from jaxpar._src.search.optimal import solve_optimal
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
@@ -61,9 +63,71 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 fully_use_devices: bool = True, time_limit: float = 300.0
                 ) -> tuple[Assignment, SearchReport, dict[int, Detail]]:
     t0 = time.perf_counter()
-    problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
+    base = _baseline(space, baseline_pins, ties) if baseline_pins is not None else None
+    if base is not None:  # how large XLA's combined gradient all-reduces are (combine.py)
+        space.calibrate(base)
     graph, mesh = space.graph, space.model.mesh
     budget = float(space.model.hw.memory_per_device)
+    roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
+    run = functools.partial(_solve, pins=pins, ties=ties, search_mode=search_mode,
+                            fully_use_devices=fully_use_devices, time_limit=time_limit,
+                            budget=budget, roomy=roomy)
+    problem, choice, optimal, notes = run(space)
+    strategies = problem.expand(choice)
+    objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
+    if space.bucket_bytes > 0 and objective > problem.objective(choice) * (1 + 1e-6):
+        # The search priced each gradient all-reduce as a share of one combined all-reduce,
+        # but this plan's few pay a latency of their own: search again with every gradient
+        # all-reduce alone, and keep the plan that is cheaper as XLA runs it.
+        other = run(space.alone())
+        alternative = other[0].expand(other[1])
+        alternative_s = space.price(alternative).step_s
+        if alternative_s < objective * (1 - 1e-9):
+            problem, choice, optimal, notes = other
+            strategies, objective = alternative, alternative_s
+            notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
+    est = peak_memory(graph, strategies, mesh)
+    details = _details(problem, choice)
+    baseline_s = None
+    used_baseline = False
+    if base is not None:
+        baseline_s = space.price(base).step_s
+        if baseline_s < objective * (1 - 1e-9) and (
+                roomy or peak_memory(graph, base, mesh).peak <= budget):
+            # The searches price combining and overlap locally (combine.py); priced whole,
+            # data parallel can still win, or use strategies fully_use_devices leaves out.
+            strategies, objective, details = base, baseline_s, {}
+            est = peak_memory(graph, strategies, mesh)
+            used_baseline, optimal = True, False
+            notes.append("pure data parallel was cheaper than the search's plan under "
+                         "the cost model, and is used")
+    if est.peak > budget:
+        raise _over_budget(search_mode, budget, est.peak)
+    if baseline_pins is not None:  # equal costs: the batch on dp-like axes, weights on mp-like
+        batch = {p.node for p in baseline_pins
+                 if p.origin == "data_parallel" and not p.strategy.out_specs[0].is_replicated}
+        named = prefer_names(space, strategies, batch, {p.node for p in pins})
+        if named != strategies:
+            strategies, details = named, {}
+            notes.append("interchangeable mesh axes exchanged to follow their names")
+    origins = {n: problem.origins.get(n, search_mode) for n in strategies}
+    if used_baseline:
+        origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
+    else:
+        for f, (rep, _) in problem.follow.items():
+            if f not in problem.origins:
+                origins[f] = f"{search_mode} (follows #{rep})"
+    report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
+                          est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
+    return Assignment(strategies, origins), report, details
+
+
+def _solve(space: SearchSpace, *, pins: Sequence[Pin], ties: Sequence[tuple[int, int]],
+           search_mode: str, fully_use_devices: bool, time_limit: float, budget: float,
+           roomy: bool) -> tuple[Problem, dict[int, int], bool | None, list[str]]:
+    """Builds the problem and solves it with ``search_mode`` within the memory budget."""
+    problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
+    graph, mesh = space.graph, space.model.mesh
     notes: list[str] = []
     optimal = None
     owner: dict[int, int] | None = None
@@ -75,8 +139,6 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
 
     def lift(choice: Mapping[int, int]) -> dict[int, int]:
         return dict(choice) if owner is None else {r: choice[owner[r]] for r in problem.reps}
-
-    roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
 
     def memory_of(choice: Mapping[int, int]) -> float:
         if roomy:
@@ -107,37 +169,7 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
         choice = solver(target, 0.0)
         if memory_of(choice) > budget:
             choice = _fit_memory(target, choice, solver, budget, memory_of)
-    choice = lift(choice)
-    strategies = problem.expand(choice)
-    est = peak_memory(graph, strategies, mesh)
-    objective = space.total_time(strategies)
-    details = _details(problem, choice)
-    baseline_s = None
-    used_baseline = False
-    if baseline_pins is not None:
-        base = _baseline(space, baseline_pins, ties)
-        if base is not None:
-            baseline_s = space.total_time(base)
-            if baseline_s < objective * (1 - 1e-9) and (
-                    roomy or peak_memory(graph, base, mesh).peak <= budget):
-                # Possible when the baseline uses strategies fully_use_devices leaves out.
-                strategies, objective, details = base, baseline_s, {}
-                est = peak_memory(graph, strategies, mesh)
-                used_baseline, optimal = True, False
-                notes.append("pure data parallel was cheaper than the search's plan under "
-                             "the cost model, and is used")
-    if est.peak > budget:
-        raise _over_budget(search_mode, budget, est.peak)
-    origins = {n: problem.origins.get(n, search_mode) for n in strategies}
-    if used_baseline:
-        origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
-    else:
-        for f, (rep, _) in problem.follow.items():
-            if f not in problem.origins:
-                origins[f] = f"{search_mode} (follows #{rep})"
-    report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
-                          est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
-    return Assignment(strategies, origins), report, details
+    return problem, lift(choice), optimal, notes
 
 
 def _over_budget(search_mode: str, budget: float, smallest: float) -> PlanError:
