@@ -22,11 +22,11 @@ from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.elimination import solve_elimination
 from jaxpar._src.search.memory import live_ranges, peak_memory, replicated_peak
-from jaxpar._src.search.names import prefer_names
 from jaxpar._src.search.optimal import solve_optimal
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
 from jaxpar._src.search.recursive import improve, refine, solve_recursive
+from jaxpar._src.search.ties import prefer_names, split_inputs
 
 SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
 
@@ -110,6 +110,7 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
         if named != strategies:
             strategies, details = named, {}
             notes.append("interchangeable mesh axes exchanged to follow their names")
+    strategies = split_inputs(space, strategies, {p.node for p in pins})
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
     if used_baseline:
         origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
@@ -187,7 +188,7 @@ def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
 
 def _solve_elimination(problem: Problem, price: float) -> dict[int, int]:
     choice, stats = solve_elimination(problem, memory_price=price)
-    if stats.star:  # star eliminations approximate: polish their decisions locally
+    if stats.star or not stats.core_exact:  # approximate steps: polish their decisions
         priced = _priced(problem, price)
         choice = refine(priced, improve(priced, choice))
     return choice

@@ -11,8 +11,9 @@ neighbours and recording, for every choice of what remains, the best choice of w
   the neighbour it shares most neighbours with into one node whose candidates are their pairs
   (exact; this turns the ladder a forward and a backward pass make into a chain), as long as the
   pair list stays small;
-* otherwise, when what is left is small enough, that *final graph* is solved exactly (MindSpore
-  enumerates its final graph; here the integer program of ``optimal.py`` does it);
+* otherwise, when what is left is small enough, that *final graph* is solved by the integer
+  program of ``optimal.py`` (MindSpore enumerates its final graph): exactly when its linear
+  relaxation is integral, else over the candidates the relaxation supports;
 * otherwise the lightest node is folded into its heaviest neighbour, its own choice fixed per
   choice of that neighbour (*star elimination*, the only approximate step).
 
@@ -50,6 +51,7 @@ class EliminationStats:
     pair: int = 0
     star: int = 0
     core: int = 0  # nodes left for the exact solve of the final graph
+    core_exact: bool = True  # the final graph's relaxation was integral (else: approximate)
 
 
 def solve_elimination(problem: Problem, *, memory_price: float = 0.0
@@ -118,7 +120,8 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
         if v is None and len(alive) <= CORE_LIMIT:
             # No exact step left: solve the remaining core exactly, as MindSpore solves its
             # final graph (there by enumeration, here by the integer program).
-            records.append(("core", _solve_core(problem, alive, cost, edges)))
+            solved, stats.core_exact = _solve_core(problem, alive, cost, edges)
+            records.append(("core", solved))
             stats.core = len(alive)
             break
         while v is None:  # every node is costly or has three or more neighbours
@@ -208,7 +211,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
 
 
 def _solve_core(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
-                edges: dict[tuple[int, int], np.ndarray]) -> dict[int, int]:
+                edges: dict[tuple[int, int], np.ndarray]) -> tuple[dict[int, int], bool]:
     from jaxpar._src.search.optimal import solve_optimal
 
     reps = sorted(alive)
@@ -217,7 +220,8 @@ def _solve_core(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
         cost={r: cost[r] for r in reps}, mem={r: np.zeros(len(cost[r])) for r in reps},
         edges={k: m for k, m in edges.items() if k[0] in alive and k[1] in alive},
         forced={}, groups=[], members=None)
-    return solve_optimal(core).choice
+    result = solve_optimal(core, exact=False)  # optimal.py: exact when integral
+    return result.choice, result.optimal
 
 
 def _best_pair(v: int, adjacency: dict[int, set[int]], cost: dict[int, np.ndarray]

@@ -34,6 +34,7 @@ from jaxpar._src.compat import call_sites
 from jaxpar._src.graph import Const
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
+from jaxpar._src.search.useful import prune, useless_factors
 from jaxpar._src.spec import Spec
 
 
@@ -98,7 +99,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     pinned = {p.node: p for p in pins}
     searchable = [n.id for n in graph.searchable()]
     cands: dict[int, tuple[OpStrategy, ...]] = {}
-    filtered: dict[tuple[int, bool, bool], tuple[OpStrategy, ...]] = {}
+    filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
+    dead = useless_factors(space, pins)  # splits no contraction can use (search/useful.py)
     for nid in searchable:
         if nid in pinned:
             cands[nid] = (pinned[nid].strategy,)
@@ -106,7 +108,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         everything = space.candidates(nid)  # one shared tuple per distinct rule
         node = graph.nodes[nid]
         key = (id(everything), fully_use_devices and node.kind == "op",
-               node.name in CONTRACTIONS)
+               node.name in CONTRACTIONS, dead.get(nid))
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
@@ -117,6 +119,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 and all(mesh.size(a) > 1 for a in axes) for axes in c.factor_axes))
             if key[1]:
                 options = _use_all_devices(options, mesh, key[2])
+            if key[3]:
+                options = prune(options, key[3])
             filtered[key] = options
         cands[nid] = options
 

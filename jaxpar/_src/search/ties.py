@@ -1,12 +1,17 @@
-"""Respecting the user's axis names when costs tie.
+"""Ties the searches cannot see, resolved after them, each only when the cost stays the same.
 
-Two mesh axes of the same size with the same links are interchangeable: exchanging them in every
-layout of a plan gives a plan of exactly the same cost, and a search picks between the two by
-accident.  The user's names then decide: the batch belongs on an axis named like data
+**Names.** Two mesh axes of the same size with the same links are interchangeable: exchanging
+them in every layout of a plan gives a plan of exactly the same cost, and a search picks between
+the two by accident.  The user's names then decide: the batch belongs on an axis named like data
 (``dp``, ``data``, ``batch``, ``fsdp``, ``replica``) and the parameters on one named like the
 model (``mp``, ``tp``, ``model``, ``tensor``).  :func:`prefer_names` exchanges such axes in a
 plan when that places fewer arguments against their names, never touching a user's pin, and
 only when the exchanged plan costs the same.
+
+**Whole arguments read split.** An argument held whole on every device but read by every reader
+in one split layout (each device slices its part, for free) is the same plan as the argument
+arriving split, with less memory; the searches' tie-break by bytes held is too small for the
+integer program's tolerances, so :func:`split_inputs` does it.
 
 >>> bool(DATA.match("dp")), bool(MODEL.match("tensor")), bool(DATA.match("mp"))
 (True, True, False)
@@ -18,7 +23,7 @@ import itertools
 import re
 from collections.abc import Collection, Mapping
 
-from jaxpar._src.rules import OpStrategy
+from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.search.common import SearchSpace
 from jaxpar._src.spec import Spec
 
@@ -66,3 +71,28 @@ def _exchange(s: OpStrategy, a: str, b: str) -> OpStrategy:
     return OpStrategy(tuple(swap(f) for f in s.factor_axes), tuple(spec(x) for x in s.in_specs),
                       tuple(spec(x) for x in s.out_specs),
                       tuple((swap((x,))[0], k) for x, k in s.partial))
+
+
+def split_inputs(space: SearchSpace, strategies: Mapping[int, OpStrategy],
+                 pinned: Collection[int]) -> dict[int, OpStrategy]:
+    """``strategies`` with every whole argument that all its readers read in one split layout
+    split that way (see the module docstring), if that costs no more."""
+    graph = space.graph
+    out = dict(strategies)
+    for nid in graph.inputs:
+        spec = out[nid].out_specs[0]
+        if nid in pinned or not spec.is_replicated:
+            continue
+        reads = {out[c].in_specs[i] for c, i in graph.consumers[graph.nodes[nid].outputs[0]]}
+        if len(reads) != 1:
+            continue
+        (want,) = reads
+        if want.is_replicated:
+            continue
+        split = strategy_for_specs(space.rule(nid), {("out", 0): want}, space.model.mesh)
+        if split is not None:
+            out[nid] = split
+    if out != strategies and \
+            space.price(out).step_s > space.price(strategies).step_s * (1 + 1e-9):
+        return dict(strategies)
+    return out
