@@ -47,6 +47,7 @@ class SearchSpace:
         self._deferred: frozenset[int] | None = None
         self._bucket: float | None = None
         self._siblings: dict[int, float] | None = None
+        self._priced: dict[tuple, ProgramCost] = {}
 
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
@@ -137,9 +138,16 @@ class SearchSpace:
 
     def price(self, strategies: Mapping[int, OpStrategy]) -> ProgramCost:
         """A full assignment priced as XLA runs it: combined collectives, overlap, step time."""
-        flops = {n.id: self.op_cost(n.id, strategies[n.id]).flops for n in self.graph.searchable()}
-        return price_plan(self.graph, strategies, self.model, flops, self.deferred,
-                          self.edge_weight)
+        nodes = [n.id for n in self.graph.searchable()]
+        key = tuple(strategies[n] for n in nodes)
+        found = self._priced.get(key)
+        if found is None:
+            if len(self._priced) > 8:  # a few plans are compared; keep the memory small
+                self._priced.clear()
+            flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
+            found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
+                                                   self.deferred, self.edge_weight)
+        return found
 
     def total_time(self, strategies: Mapping[int, OpStrategy]) -> float:
         """Seconds of a full assignment as the searches price it (every node's cost and every

@@ -124,20 +124,29 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0,
     # an integral LP optimum is the integer optimum, found without branching or cuts.
     res = milp(cost, integrality=np.zeros(total), bounds=bounds, constraints=constraints,
                options=options | {"presolve": False})
-    if not exact and res.x is not None and not _integral(res.x[:n]):
-        return _solve_supported(problem, res.x[:n], offset, time_limit)
-    if res.x is None or not _integral(res.x[:n]):
+    relaxed = None if res.x is None or _integral(res.x[:n]) else res.x[:n]
+    if relaxed is not None and not exact and not extra_rows:
+        return _solve_supported(problem, relaxed, offset, time_limit)
+    if res.x is None or relaxed is not None:
         integrality = np.zeros(total)
         integrality[:n] = 1
         res = milp(cost, integrality=integrality, bounds=bounds, constraints=constraints,
                    options=options)
+    fallback = None
+    if res.status != 0 and relaxed is not None and not extra_rows:
+        # Stopped at the time limit: the restricted solve may have found better.
+        fallback = _solve_supported(problem, relaxed, offset, time_limit)
     if res.x is None:
+        if fallback is not None:
+            return fallback
         raise PlanError(f"jaxpar (optimal search): the integer program found no solution "
                         f"({res.message}).")
     x = res.x[:n]
     choice = {}
     for r in problem.reps:
         choice[r] = int(np.argmax(x[offset[r]:offset[r] + len(problem.cands[r])]))
+    if fallback is not None and fallback.objective < problem.objective(choice):
+        return fallback
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     return IlpResult(choice, problem.objective(choice), res.status == 0, gap, total, count)
 

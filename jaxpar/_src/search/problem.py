@@ -366,7 +366,7 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
     return [members for members in buckets.values() if len(members) > 1]
 
 
-REFINE_ROUNDS = 12  # enough to reach from a parameter through its optimizer update
+REFINE_ROUNDS = 4  # enough to reach from a parameter through its optimizer update
 
 
 def quotient(problem: Problem) -> tuple[Problem, dict[int, int]]:

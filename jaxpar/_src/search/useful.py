@@ -20,6 +20,7 @@ the dynamic programming's final graph then branched for minutes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from jaxpar._src.rules import FactorRule
@@ -53,8 +54,7 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
         rule = space.rule(node.id)
         values = [o if isinstance(o, int) else None for o in node.inputs]
         per_factor: dict[int, list[tuple[int, int]]] = {}
-        for side, index, d, f in _splittable_dims(rule, tuple(range(len(rule.operands))),
-                                                  tuple(range(len(rule.results)))):
+        for side, index, d, f in _all_splittable_dims(rule):
             vid = values[index] if side == 0 else node.outputs[index]
             if vid is not None:
                 per_factor.setdefault(f, []).append((vid, d))
@@ -83,6 +83,12 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
         if dead:
             out[node.id] = dead
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_splittable_dims(rule: FactorRule) -> tuple[tuple[int, int, int, int], ...]:
+    return tuple(_splittable_dims(rule, tuple(range(len(rule.operands))),
+                                  tuple(range(len(rule.results)))))
 
 
 def _splittable_dims(rule: FactorRule, operands: tuple[int, ...], results: tuple[int, ...]
