@@ -437,13 +437,15 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
         indegree[u] = len(ps)
     duration = [flops.get(n, 0.0) / rate for n in range(n_nodes)] + \
                [c.time * c.count for c in issued]
-    heap = [(u, u) for u in range(len(preds)) if indegree[u] == 0]
+    # Whatever can start first goes first (ties: program order), so that a unit waiting for a
+    # collective never holds back compute that is ready.
+    heap = [(0.0, u, u) for u in range(len(preds)) if indegree[u] == 0]
     heapq.heapify(heap)
     ready = [0.0] * len(preds)
     free = [0.0, 0.0]  # compute, network
     end = 0.0
     while heap:
-        _, u = heapq.heappop(heap)
+        _, _, u = heapq.heappop(heap)
         stream = 0 if u < n_nodes else 1
         start = max(free[stream], ready[u])
         finish = start + duration[u]
@@ -453,7 +455,7 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
             ready[v] = max(ready[v], finish)
             indegree[v] -= 1
             if indegree[v] == 0:
-                heapq.heappush(heap, (_priority(v, n_nodes, issued, raw), v))
+                heapq.heappush(heap, (ready[v], _priority(v, n_nodes, issued, raw), v))
     return end
 
 

@@ -83,7 +83,10 @@ def split_inputs(space: SearchSpace, strategies: Mapping[int, OpStrategy],
         spec = out[nid].out_specs[0]
         if nid in pinned or not spec.is_replicated:
             continue
-        reads = {out[c].in_specs[i] for c, i in graph.consumers[graph.nodes[nid].outputs[0]]}
+        readers = graph.consumers[graph.nodes[nid].outputs[0]]
+        if any(c not in out for c, _ in readers):  # read by a loop itself: leave it
+            continue
+        reads = {out[c].in_specs[i] for c, i in readers}
         if len(reads) != 1:
             continue
         (want,) = reads
