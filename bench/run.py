@@ -162,7 +162,7 @@ def gap_rows() -> list[dict]:
     mesh4 = jaxpar.make_mesh((4,), ("x",))
     mesh24 = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     bytes_only = jaxpar.HardwareProfile(preset="h100", intra_node_latency=0.0,
-                                        inter_node_latency=0.0)
+                                        inter_node_latency=0.0, collective_latency=0.0)
     two_links = jaxpar.HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9, "mp": 300e9})
     suite = {
         "mlp 6x256, batch 32": (*am.flax_mlp_adam(32, 256), mesh4, bytes_only),

@@ -103,6 +103,20 @@ def name_stack(eqn: jcore.JaxprEqn) -> str:
         return ""
 
 
+def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
+    """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
+    first: one line of a helper called from several places (a ``dense`` function, a Flax
+    layer) stands for different operators, its callers tell them apart."""
+    if _siu is None:
+        return ()
+    try:
+        frames = list(_siu.user_frames(eqn.source_info.traceback))
+    except Exception:  # noqa: BLE001 - a missing location must never break planning
+        return ()
+    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
+    return tuple((f.file_name, f.start_line) for f in (own or frames))
+
+
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
                   params: dict[str, Any] | None = None) -> list[Any]:
     """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list.

@@ -5,6 +5,12 @@ and latency of collectives (the alpha-beta model).  Axes can differ: inner axes 
 node ride NVLink-class links, outer axes cross the network.  Unless an axis is named in
 ``axis_bandwidth``/``axis_latency``, its link is chosen by position: the innermost axes whose
 device counts multiply to at most ``devices_per_node`` are inside a node, the rest cross nodes.
+
+Two more fields describe what XLA makes of the collectives on that backend (see ``combine.py``):
+``combine_threshold_bytes`` (per collective kind, the size up to which XLA's combiner passes merge
+independent collectives into one; a kind left out is never combined) and
+``overlap_collectives`` (whether collectives run asynchronously beside compute, as XLA:GPU's
+latency-hiding scheduler runs them, or block it, as on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -22,30 +28,50 @@ from jaxpar._src.errors import ContextError
 from jaxpar._src.spec import MeshShape
 
 _GB = 1e9
+_MIB = 1 << 20
+# XLA:CPU combines only all-reduces, with no size limit (cpu_compiler.cc: CpuAllReduceCombiner,
+# kCombineBytes = int64 max, kCombineCount = 256).
+_CPU_COMBINE = (("all-reduce", float(2**63 - 1)),)
+# XLA:GPU's default thresholds (collective_utils.h: kDefault{AllReduce,AllGather,ReduceScatter}
+# CombineThreshold = 30 MiB + 7), 256 operands per combined collective (gpu_compiler.cc).
+# Paid once per collective call (kernel launch, handshake): NCCL's base latency of its Ring/LL
+# algorithm (src/graph/tuning.cc: baseLat 6.6 us), beside each preset's per-step latencies.
+_LAUNCH = 6.6e-6
+_GPU_COMBINE = (("all-gather", 30.0 * _MIB + 7), ("all-reduce", 30.0 * _MIB + 7),
+                ("reduce-scatter", 30.0 * _MIB + 7))
 
 # name -> field values.  Figures are vendor peak numbers derated to what training sees
 # (about 40% of dense bf16 peak; unidirectional link bandwidth).
 PRESETS: dict[str, dict[str, Any]] = {
-    # 8 emulated devices on one host: memory copies through shared RAM.
+    # 8 emulated devices on one host: memory copies through shared RAM.  A collective is a
+    # rendezvous of the devices' threads: small all-reduces and all-gathers take about the same
+    # time, growing with the group (25-30 us per peer measured with 8 devices on 2 cores).
     "cpu": dict(flops_per_s=5e10, memory_per_device=8 * _GB, devices_per_node=1 << 30,
                 intra_node_bandwidth=10 * _GB, inter_node_bandwidth=10 * _GB,
-                intra_node_latency=2e-5, inter_node_latency=2e-5),
+                intra_node_latency=1e-5, inter_node_latency=1e-5, collective_latency=2e-5,
+                combine_threshold_bytes=_CPU_COMBINE, overlap_collectives=False),
     # DGX A100: NVLink3 300 GB/s per direction inside 8 GPUs, 8x HDR 200 Gb/s IB across nodes.
     "a100": dict(flops_per_s=125e12, memory_per_device=80 * _GB, devices_per_node=8,
                  intra_node_bandwidth=300 * _GB, inter_node_bandwidth=25 * _GB,
-                 intra_node_latency=5e-6, inter_node_latency=1.5e-5),
+                 intra_node_latency=5e-6, inter_node_latency=1.5e-5, collective_latency=_LAUNCH,
+                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
     # DGX H100: NVLink4 450 GB/s per direction, 8x NDR 400 Gb/s IB across nodes.
     "h100": dict(flops_per_s=400e12, memory_per_device=80 * _GB, devices_per_node=8,
                  intra_node_bandwidth=450 * _GB, inter_node_bandwidth=50 * _GB,
-                 intra_node_latency=4e-6, inter_node_latency=1.2e-5),
+                 intra_node_latency=4e-6, inter_node_latency=1.2e-5, collective_latency=_LAUNCH,
+                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
     # H200: H100 compute with 141 GB HBM3e.
     "h200": dict(flops_per_s=400e12, memory_per_device=141 * _GB, devices_per_node=8,
                  intra_node_bandwidth=450 * _GB, inter_node_bandwidth=50 * _GB,
-                 intra_node_latency=4e-6, inter_node_latency=1.2e-5),
+                 intra_node_latency=4e-6, inter_node_latency=1.2e-5, collective_latency=_LAUNCH,
+                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
     # Ascend 910 (MindSpore's home): HCCS inside 8 NPUs, 100 GbE RoCE across servers.
     "ascend910": dict(flops_per_s=100e12, memory_per_device=32 * _GB, devices_per_node=8,
                       intra_node_bandwidth=30 * _GB, inter_node_bandwidth=12.5 * _GB,
-                      intra_node_latency=1e-5, inter_node_latency=2e-5),
+                      intra_node_latency=1e-5, inter_node_latency=2e-5,
+                      collective_latency=_LAUNCH,
+                      # Not an XLA backend: priced as XLA:GPU would combine and overlap.
+                      combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
 }
 
 
@@ -57,7 +83,7 @@ def _items(x: Mapping[str, float] | tuple | None) -> tuple[tuple[str, float], ..
 
 
 _POSITIVE = ("flops_per_s", "memory_per_device", "intra_node_bandwidth", "inter_node_bandwidth")
-_LATENCIES = ("intra_node_latency", "inter_node_latency")
+_LATENCIES = ("intra_node_latency", "inter_node_latency", "collective_latency")
 
 
 def _check_number(name: str, value: Any, *, positive: bool) -> None:
@@ -105,6 +131,14 @@ class HardwareProfile:
       devices_per_node: devices that share the fast intra-node links.
       intra_node_bandwidth / inter_node_bandwidth: bytes/s of links inside / across nodes.
       intra_node_latency / inter_node_latency: seconds per collective step inside / across.
+      collective_latency: seconds every collective pays once, whatever its steps (launch and
+        handshake; NCCL's base latency).  20 us for ``cpu``, 6.6 us for the GPU presets.
+      combine_threshold_bytes: per collective kind (``"all-reduce"``, ``"all-gather"``,
+        ``"reduce-scatter"``), the largest combined collective XLA's combiner builds; kinds left
+        out are not combined.  ``cpu``: all-reduces without limit; GPU presets: 30 MiB each.
+      combine_threshold_count: the most collectives one combined collective holds (256).
+      overlap_collectives: collectives run beside compute (XLA:GPU's asynchronous collectives)
+        rather than blocking it (XLA:CPU).  ``False`` for ``cpu``, ``True`` otherwise.
 
     >>> hw = HardwareProfile(preset="h100", axis_bandwidth={"dp": 25e9})
     >>> mesh = MeshShape(("dp", "mp"), (4, 8))
@@ -122,6 +156,10 @@ class HardwareProfile:
     inter_node_bandwidth: float | None = None
     intra_node_latency: float | None = None
     inter_node_latency: float | None = None
+    collective_latency: float | None = None
+    combine_threshold_bytes: Mapping[str, float] | tuple | None = None
+    combine_threshold_count: int = 256
+    overlap_collectives: bool | None = None
 
     PRESETS = PRESETS
 
@@ -147,6 +185,10 @@ class HardwareProfile:
             for axis, value in pairs:
                 _check_number(f"{name}[{axis!r}]", value, positive=positive)
             object.__setattr__(self, name, _items(pairs))
+        pairs = _pairs("combine_threshold_bytes", self.combine_threshold_bytes)
+        for kind, value in pairs:
+            _check_number(f"combine_threshold_bytes[{kind!r}]", value, positive=False)
+        object.__setattr__(self, "combine_threshold_bytes", _items(pairs))
 
     def check_mesh(self, mesh: MeshShape, where: str) -> None:
         """Raises when ``axis_bandwidth``/``axis_latency`` name an axis ``mesh`` lacks (a typo
@@ -198,6 +240,10 @@ or leave the axis out to price it by position.
             return explicit[axis]
         inside = self._inside_node(axis, mesh)
         return self.intra_node_latency if inside else self.inter_node_latency
+
+    def combine_threshold(self, kind: str) -> float:
+        """Bytes up to which XLA combines independent collectives of ``kind`` (0: never)."""
+        return dict(self.combine_threshold_bytes).get(kind, 0.0)
 
     # -- persistence (a calibrated profile is kept as JSON) -------------------------------------
     def to_dict(self) -> dict[str, Any]:

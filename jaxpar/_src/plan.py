@@ -3,7 +3,10 @@
 A plan holds, for every node of the traced graph, the layouts of its operands and results, where
 that choice came from (a user pin, propagation, a search) and the collectives the cost model
 predicts for it: the operator's own (partial sums to combine) and the layout changes on its input
-edges.  It prints as a table (:meth:`ShardingPlan.explain`) and round-trips through JSON.
+edges.  Beside them it holds the program's collectives as XLA will run them, after its
+combiners merged independent ones (``combine.py``): their count is what the compiled program
+has, and the step time is priced from them.  It prints as a table
+(:meth:`ShardingPlan.explain`) and round-trips through JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from jaxpar._src.combine import IssuedCollective
 from jaxpar._src.cost import Collective
 from jaxpar._src.spec import MeshShape, Spec
 
@@ -34,10 +38,17 @@ class PredictedCollective:
     wire_bytes: float  # bytes one device sends, times how often it runs
     time: float  # seconds, times how often it runs
     count: float  # how often it runs per call (loop trips)
+    members: int = 1  # collectives XLA combined into this one
+    deferred: bool = False  # off the critical path (gradients on their way to the optimizer)
 
     @classmethod
     def of(cls, c: Collective, weight: float) -> PredictedCollective:
         return cls(c.kind, c.axes, c.nbytes, c.wire_bytes * weight, c.time * weight, weight)
+
+    @classmethod
+    def issued(cls, c: IssuedCollective) -> PredictedCollective:
+        return cls(c.kind, c.axes, c.nbytes, c.wire_bytes * c.count, c.time * c.count, c.count,
+                   len(c.members), c.deferred)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +162,11 @@ class ShardingPlan:
     objective_s: float | None = None  # the search's simulated seconds (auto_parallel)
     baseline_s: float | None = None  # pure data parallel's, under the same model
     optimal: bool | None = None  # proven optimal (search_mode="optimal")
+    # The program's collectives as XLA runs them (after its combiners) and the step time they
+    # make; empty / None in plans saved before they were recorded.
+    collectives: tuple[PredictedCollective, ...] = ()
+    compute_s: float | None = None
+    step_s: float | None = None
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -179,7 +195,11 @@ class ShardingPlan:
         """Every edge whose two ends disagree on the layout (the plan pays a layout change)."""
         return tuple(r for d in self.decisions for r in d.redistributions)
 
-    def predicted_collectives(self) -> tuple[PredictedCollective, ...]:
+    def predicted_collectives(self, combined: bool = True) -> tuple[PredictedCollective, ...]:
+        """The collectives the program runs: after XLA's combiners (one entry per collective of
+        the compiled program), or with ``combined=False`` one per operator and layout change."""
+        if combined and self.collectives:
+            return self.collectives
         out = []
         for d in self.decisions:
             out.extend(d.collectives)
@@ -188,14 +208,19 @@ class ShardingPlan:
         return tuple(out)
 
     def step_time(self) -> float:
-        """Simulated seconds per call: every device's compute plus every collective."""
+        """Simulated seconds per call: every device's compute plus the communication it does
+        not hide (all of it without overlap), collectives priced after combining."""
+        if self.step_s is not None:
+            return self.step_s
         compute = sum(d.flops for d in self.decisions) / self.flops_per_s
         return compute + sum(d.comm_time for d in self.decisions)
 
     def summary(self) -> dict[str, Any]:
-        """Totals: predicted collectives per kind, memory, simulated step time, search."""
+        """Totals: predicted collectives per kind (after combining), memory, simulated step
+        time (compute, communication, and how much of it compute does not hide), search."""
         comm = self.communication_summary()
-        compute = sum(d.flops for d in self.decisions) / self.flops_per_s
+        compute = self.compute_s if self.compute_s is not None else \
+            sum(d.flops for d in self.decisions) / self.flops_per_s
         out = {
             "mesh": str(self.mesh), "parallel_mode": self.parallel_mode,
             "search_mode": self.search_mode, "hardware": self.hardware,
@@ -203,7 +228,9 @@ class ShardingPlan:
             "collective_wire_bytes": sum(v["wire_bytes"] for v in comm.values()),
             "memory_bytes_per_device": self.memory_bytes,
             "memory_budget_bytes": self.memory_budget,
-            "compute_s": compute, "communication_s": self.step_time() - compute,
+            "compute_s": compute,
+            "communication_s": sum(v["time"] for v in comm.values()),
+            "exposed_communication_s": self.step_time() - compute,
             "step_time_s": self.step_time(), "search_s": self.search_s,
         }
         if self.objective_s is not None:
@@ -215,7 +242,8 @@ class ShardingPlan:
         return out
 
     def communication_summary(self) -> dict[str, dict[str, float]]:
-        """Per collective kind: how many run per call and the wire bytes per device."""
+        """Per collective kind, after XLA's combiners: how many run per call (what the compiled
+        program has), the wire bytes per device and their seconds."""
         table: dict[str, dict[str, float]] = collections.defaultdict(
             lambda: {"count": 0.0, "wire_bytes": 0.0, "time": 0.0})
         for c in self.predicted_collectives():

@@ -12,6 +12,7 @@ from jaxpar._src.spec import MeshShape, Spec
 FORMAT = "jaxpar.plan/2"
 _PLAN_SCALARS = ("parallel_mode", "search_mode", "hardware", "flops_per_s", "memory_bytes",
                  "memory_budget", "search_s", "objective_s", "baseline_s", "optimal")
+_OPTIONAL_SCALARS = ("compute_s", "step_s")  # absent from plans saved before they existed
 
 
 def _coll_to(c: PredictedCollective) -> dict:
@@ -20,7 +21,8 @@ def _coll_to(c: PredictedCollective) -> dict:
 
 def _coll_from(d: dict) -> PredictedCollective:
     return PredictedCollective(d["kind"], tuple(d["axes"]), d["nbytes"], d["wire_bytes"],
-                               d["time"], d["count"])
+                               d["time"], d["count"], d.get("members", 1),
+                               d.get("deferred", False))
 
 
 def _specs(specs: Any) -> list:
@@ -76,7 +78,8 @@ def plan_to_dict(plan: ShardingPlan) -> dict:
            "mesh": {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)},
            "device_ids": list(plan.device_ids), "inputs": list(plan.inputs),
            "outputs": list(plan.outputs), "notes": list(plan.notes)}
-    out.update({k: getattr(plan, k) for k in _PLAN_SCALARS})
+    out.update({k: getattr(plan, k) for k in _PLAN_SCALARS + _OPTIONAL_SCALARS})
+    out["collectives"] = [_coll_to(c) for c in plan.collectives]
     out["decisions"] = [_decision_to(d) for d in plan.decisions]
     return out
 
@@ -90,4 +93,6 @@ def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
                         data["search_mode"], tuple(_decision_from(d) for d in data["decisions"]),
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
                         **{k: data[k] for k in _PLAN_SCALARS if k not in ("parallel_mode",
-                                                                          "search_mode")})
+                                                                          "search_mode")},
+                        **{k: data.get(k) for k in _OPTIONAL_SCALARS},
+                        collectives=tuple(_coll_from(c) for c in data.get("collectives", ())))

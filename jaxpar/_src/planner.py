@@ -115,8 +115,7 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
             continue
         strat = strategies[node.id]
         own = model.op_collectives(strat, out_shapes,
-                                   [graph.values[v].dtype for v in node.outputs],
-                                   combined=node.id in space.gradients)
+                                   [graph.values[v].dtype for v in node.outputs])
         redists = []
         for i, operand in enumerate(node.inputs):
             if isinstance(operand, Const):
@@ -149,10 +148,13 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     if unreached:
         notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
     hw = model.hw
+    priced = space.price(strategies)
     stats: dict[str, Any] = {
         "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
         "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
-        "memory_budget": float(hw.memory_per_device)}
+        "memory_budget": float(hw.memory_per_device),
+        "collectives": tuple(PredictedCollective.issued(c) for c in priced.collectives),
+        "compute_s": priced.compute_s, "step_s": priced.step_s}
     if report is not None:
         notes.extend(report.notes)
         stats.update(search_s=report.search_s, objective_s=report.objective_s,

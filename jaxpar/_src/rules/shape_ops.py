@@ -168,25 +168,6 @@ def _split_rule(op: OpView) -> FactorRule:
     return b.build([shared], [shared] * len(op.out_shapes))
 
 
-@register_rule("stack")
-def _stack_rule(op: OpView) -> FactorRule:
-    """``stack[axis]``: operands of one shape become slices of a new dimension, which stays
-    whole (as ``concatenate``'s axis); the others are shared."""
-    axis = op.params["axis"]
-    b = RuleBuilder()
-    shared = b.factors(op.in_shapes[0])
-    return b.build([shared] * len(op.in_shapes), [shared[:axis] + [None] + shared[axis:]])
-
-
-@register_rule("unstack")
-def _unstack_rule(op: OpView) -> FactorRule:
-    """``unstack[axis]``: the inverse of ``stack``; the unstacked dimension stays whole."""
-    axis = op.params["axis"]
-    b = RuleBuilder()
-    shared = b.factors(op.out_shapes[0])
-    return b.build([shared[:axis] + [None] + shared[axis:]], [shared] * len(op.out_shapes))
-
-
 @register_rule("iota")
 def _iota_rule(op: OpView) -> FactorRule:
     b = RuleBuilder()

@@ -15,6 +15,7 @@ jaxpar raises with the budget and the smallest plan it found.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -35,6 +36,7 @@ from jaxpar._src.search.registry import (
     SearchRequest,
     SearchResult,
 )
+from jaxpar._src.search.ties import prefer_names, split_inputs
 
 SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
 
@@ -128,43 +130,55 @@ def coarse_search(name: str, solver: Solver) -> Search:
 def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchResult:
     t0 = time.perf_counter()
     space = request.space
-    problem = build_problem(space, request.pins, ties=request.ties,
-                            fully_use_devices=request.fully_use_devices)
+    base = _baseline(space, request.baseline_pins, request.ties) \
+        if request.baseline_pins is not None else None
+    if base is not None:  # how large XLA's combined gradient all-reduces are (combine.py)
+        space.calibrate(base)
     graph, mesh = space.graph, space.model.mesh
     budget = float(space.model.hw.memory_per_device)
-    notes: list[str] = []
-    owner: dict[int, int] | None = None
-    target = problem
-    if len(problem.reps) > SHARE_LAYERS_ABOVE and problem.groups:
-        target, owner = quotient(problem)
-        notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
-                     f"{len(target.reps)}")
     roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
-    memory = Memory(problem, owner, budget, roomy, search_mode)
-    solution = solver(target, memory)
-    notes.extend(solution.notes)
-    optimal = solution.optimal
-    choice = memory.lift(solution.choice)
+    run = functools.partial(_solve, request=request, search_mode=search_mode, solver=solver,
+                            budget=budget, roomy=roomy)
+    problem, choice, optimal, notes = run(space)
     strategies = problem.expand(choice)
+    objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
+    if space.bucket_bytes > 0 and objective > problem.objective(choice) * (1 + 1e-6):
+        # The search priced each gradient all-reduce as a share of one combined all-reduce,
+        # but this plan's few pay a latency of their own: search again with every gradient
+        # all-reduce alone, and keep the plan that is cheaper as XLA runs it.
+        other = run(space.alone())
+        alternative = other[0].expand(other[1])
+        alternative_s = space.price(alternative).step_s
+        if alternative_s < objective * (1 - 1e-9):
+            problem, choice, optimal, notes = other
+            strategies, objective = alternative, alternative_s
+            notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
     est = peak_memory(graph, strategies, mesh)
-    objective = space.total_time(strategies)
     details = _details(problem, choice)
     baseline_s = None
     used_baseline = False
-    if request.baseline_pins is not None:
-        base = _baseline(space, request.baseline_pins, request.ties)
-        if base is not None:
-            baseline_s = space.total_time(base)
-            if baseline_s < objective * (1 - 1e-9) and (
-                    roomy or peak_memory(graph, base, mesh).peak <= budget):
-                # Possible when the baseline uses strategies fully_use_devices leaves out.
-                strategies, objective, details = base, baseline_s, {}
-                est = peak_memory(graph, strategies, mesh)
-                used_baseline, optimal = True, False
-                notes.append("pure data parallel was cheaper than the search's plan under "
-                             "the cost model, and is used")
+    if base is not None:
+        baseline_s = space.price(base).step_s
+        if baseline_s < objective * (1 - 1e-9) and (
+                roomy or peak_memory(graph, base, mesh).peak <= budget):
+            # The searches price combining and overlap locally (combine.py); priced whole,
+            # data parallel can still win, or use strategies fully_use_devices leaves out.
+            strategies, objective, details = base, baseline_s, {}
+            est = peak_memory(graph, strategies, mesh)
+            used_baseline, optimal = True, False
+            notes.append("pure data parallel was cheaper than the search's plan under "
+                         "the cost model, and is used")
     if est.peak > budget:
-        raise memory.refusal(est.peak)
+        raise Memory(problem, None, budget, roomy, search_mode).refusal(est.peak)
+    pinned = {p.node for p in request.pins}
+    if request.baseline_pins is not None:  # equal costs: batch on dp-like axes, weights mp-like
+        batch = {p.node for p in request.baseline_pins
+                 if p.origin == "data_parallel" and not p.strategy.out_specs[0].is_replicated}
+        named = prefer_names(space, strategies, batch, pinned)
+        if named != strategies:
+            strategies, details = named, {}
+            notes.append("interchangeable mesh axes exchanged to follow their names")
+    strategies = split_inputs(space, strategies, pinned)
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
     if used_baseline:
         origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
@@ -175,6 +189,25 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
                           est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
     return SearchResult(Assignment(strategies, origins), search_mode, report, details)
+
+
+def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solver: Solver,
+           budget: float, roomy: bool) -> tuple[Problem, dict[int, int], bool | None, list[str]]:
+    """Builds the problem on ``space`` and solves it with ``solver`` within the budget: the
+    problem, the choice (of the full problem), whether it is proven optimal, and notes."""
+    problem = build_problem(space, request.pins, ties=request.ties,
+                            fully_use_devices=request.fully_use_devices)
+    notes: list[str] = []
+    owner: dict[int, int] | None = None
+    target = problem
+    if len(problem.reps) > SHARE_LAYERS_ABOVE and problem.groups:
+        target, owner = quotient(problem)
+        notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
+                     f"{len(target.reps)}")
+    memory = Memory(problem, owner, budget, roomy, search_mode)
+    solution = solver(target, memory)
+    notes.extend(solution.notes)
+    return problem, memory.lift(solution.choice), solution.optimal, notes
 
 
 def _fit_memory(problem: Problem, choice: dict[int, int],

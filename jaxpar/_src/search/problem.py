@@ -30,9 +30,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxpar._src.compat import call_sites
 from jaxpar._src.graph import Const, NodeKind, Role
 from jaxpar._src.rules import OpCategory, OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
+from jaxpar._src.search.useful import prune, useless_factors
 from jaxpar._src.spec import Spec
 
 
@@ -126,6 +128,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # nodes with one key share one list, and the caches below are keyed by it.
     kinds: dict[int, tuple] = {}
     filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
+    dead = useless_factors(space, pins)  # splits no contraction can use (search/useful.py)
     for nid in searchable:
         if nid in pinned:
             kinds[nid] = ("pin", pinned[nid].strategy)
@@ -134,15 +137,19 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         node = graph.nodes[nid]
         rule = space.rule(nid)
         key = kinds[nid] = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
-                            rule.category is OpCategory.CONTRACTION)
+                            rule.category is OpCategory.CONTRACTION, dead.get(nid))
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
-            # only permute which device holds which block; pins may still use them).
+            # only permute which device holds which block; pins may still use them).  An axis
+            # of size 1 splits nothing: candidates using it only duplicate others.
             options = tuple(c for c in space.candidates(nid) if all(
-                list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
+                list(axes) == sorted(axes, key=mesh.names.index)
+                and all(mesh.size(a) > 1 for a in axes) for axes in c.factor_axes))
             if key[2]:
                 options = _use_all_devices(options, mesh, key[3])
+            if key[4]:
+                options = prune(options, key[4])
             filtered[key] = options
         cands[nid] = options
 
@@ -213,7 +220,6 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     for nid in searchable:
         members[rep_of(nid)].append(nid)
     vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    gradients = space.gradients
     for r in reps:
         for nid in members[r]:
             node = graph.nodes[nid]
@@ -221,7 +227,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
             signature = (space.rule(nid), kinds[nid],
                          None if index is None else index.tobytes(), node.weight,
-                         nid in gradients, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
+                         space.bucket_of(nid), outs,
+                         tuple(graph.operand_dtype(o) for o in node.inputs))
             found = vectors.get(signature)
             if found is None:  # repeated layers: price each kind of node once
                 options = cands[nid]
@@ -334,42 +341,58 @@ def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,
 
 def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, forced: Mapping
                   ) -> list[list[int]]:
-    """Nodes that repeat once per layer: operators with the same source line, primitive,
-    shapes and rule; arguments with the same path but for layer numbers.  An operator without
-    a source line (JAX's own code: masks, the backward pass) is known by its neighbours' keys
-    instead, which repeat with the layer too.  Sharing also the first and last layer (where the
-    layers meet the embedding and the head) lost nothing on the benchmark models and halves the
-    searched graph.  (Identical layers that should alternate, such as a Megatron MLP written
-    as a loop over one layer, therefore only alternate in graphs small enough to search
-    unshared.)"""
+    """Nodes that repeat once per layer.
+
+    Each node starts from a key: an operator its primitive, rule and call sites (every line of
+    the user's code on the way to it: one line in a helper, such as a dense layer called for the
+    query and for the output projection, is two operators, not one repeated); an argument its
+    path with layer numbers blanked; anything else its kind and shapes.  Keys are then refined
+    by the neighbours' keys, round by round (the Weisfeiler-Lehman colour refinement), so that
+    operators one line of library code makes for many tensors (an optimizer's update of every
+    parameter) are told apart by the parameter they update, while the layers in the middle of a
+    stack stay alike.  Nodes still alike after the rounds share a strategy.  Layers near the
+    ends of the stack (where it meets the embedding and the head) come apart within the
+    rounds' reach.  (Identical layers that should alternate, such as a Megatron MLP written as a
+    loop over one layer, therefore only alternate in graphs small enough to search unshared.)
+    """
     graph = space.graph
-    keys: dict[int, tuple] = {}
-    anonymous = []
-    for r in reps:
-        node = graph.nodes[r]
-        if r in forced:
-            continue
+    first: dict[tuple, int] = {}
+    colour = []
+    for node in graph.nodes:
+        nid = node.id
+        shapes = tuple(graph.values[v].shape for v in node.outputs)
         if node.kind is NodeKind.OP and node.source != "?":
-            keys[r] = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
+            where = call_sites(node.eqn) if node.eqn is not None else ()
+            key = ("op", node.name, where or node.source, space.rule(nid), node.weight,
+                   cands.get(nid))
         elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
-            keys[r] = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
+            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, cands.get(nid))
         elif node.kind is NodeKind.OP:
-            anonymous.append(r)
-    ids: dict[tuple, int] = {}  # keys by number, so neighbours' keys compare cheaply
-    for _ in range(4):  # a chain of anonymous operators takes keys from both ends
-        named = {}
-        for r in anonymous:
-            node = graph.nodes[r]
-            around = sorted({ids.setdefault(keys[n], len(ids)) for e in graph.neighbours(r)
-                             for n in (e.producer, e.consumer) if n != r and n in keys})
-            if around:
-                named[r] = ("near", node.name, tuple(around), space.rule(r), node.weight,
-                            cands[r])
-        keys.update(named)
-    buckets: dict[tuple, list[int]] = collections.defaultdict(list)
-    for r, key in keys.items():
-        buckets[key].append(r)
+            key = ("op", node.name, space.rule(nid), node.weight, cands.get(nid))
+        else:
+            key = (node.kind, node.name, shapes, node.weight, cands.get(nid))
+        colour.append(first.setdefault(key, len(first)))
+    around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
+    for producer, j, consumer, i in graph.edges():
+        around[producer].append((0, j, i, consumer))
+        around[consumer].append((1, i, j, producer))
+    classes = len(first)
+    for _ in range(REFINE_ROUNDS):
+        ids: dict[tuple, int] = {}
+        colour = [ids.setdefault((colour[n], tuple(sorted(
+            (side, a, b, colour[m]) for side, a, b, m in around[n]))), len(ids))
+            for n in range(len(colour))]
+        if len(ids) == classes:
+            break
+        classes = len(ids)
+    buckets: dict[int, list[int]] = collections.defaultdict(list)
+    for r in reps:
+        if r not in forced:
+            buckets[colour[r]].append(r)
     return [members for members in buckets.values() if len(members) > 1]
+
+
+REFINE_ROUNDS = 4  # enough to reach from a parameter through its optimizer update
 
 
 def quotient(problem: Problem) -> tuple[Problem, dict[int, int]]:
