@@ -35,7 +35,13 @@ from jaxpar._src.spec import MeshShape
 
 @dataclasses.dataclass(frozen=True)
 class Yardstick:
-    """What a compiled program costs under a profile (seconds and bytes are per device)."""
+    """What a compiled program costs under a profile (seconds and bytes are per device).
+
+    >>> y = Yardstick(2e-6, 1e-6, 1e-6, 1e6, 4e6, 1e6, 8e10,
+    ...               {"all-reduce": {"count": 1, "bytes": 64, "wire_bytes": 96, "time": 1e-6}})
+    >>> y.collective_count, y.fits_memory
+    (1, True)
+    """
 
     step_time_s: float  # compute_s + communication_s
     compute_s: float
