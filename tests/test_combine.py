@@ -9,6 +9,9 @@ import pytest
 
 import jaxpar
 from jaxpar._src.combine import deferred_nodes, sibling_buckets
+from jaxpar._src.cost import CostModel
+from jaxpar._src.search import SearchSpace
+from jaxpar._src.spec import MeshShape
 from tests import auto_models as am
 from tests import models
 
@@ -67,15 +70,19 @@ def test_overlap_hides_gradient_reduction_behind_the_backward_pass():
 
 def test_deferred_operators_and_summed_siblings():
     params, x = models.init_block(jax.random.key(0))
+    mesh = jaxpar.make_mesh((4,), ("x",))
     graph = jaxpar.parallelize(am.sgd_step(models.block_loss), parallel_mode="auto_parallel",
-                               mesh=jaxpar.make_mesh((4,), ("x",))).compiled_entry(
-        params, x).program.graph
-    deferred = deferred_nodes(graph)
+                               mesh=mesh).compiled_entry(params, x).program.graph
+    space = SearchSpace(graph, CostModel(MeshShape.of(mesh), jaxpar.HardwareProfile()))
+    # contractions by their rule's category (OpCategory.CONTRACTION), not by name
+    assert space.contractions == {n.id for n in graph.nodes if n.name == "dot_general"}
+    deferred = deferred_nodes(graph, space.contractions)
+    assert deferred == space.deferred
     dots = [n for n in graph.nodes if n.name == "dot_general"]
     # Every weight gradient is deferred; no forward contraction is (they feed the next one).
     forward = [n for n in dots if n.source.endswith("(block)")][:4]
     assert not any(n.id in deferred for n in forward)
     assert sum(n.id in deferred for n in dots) >= 6  # wq, wk, wv, wo, w1, w2 gradients
-    siblings = sibling_buckets(graph)
+    siblings = sibling_buckets(graph, space.contractions)
     assert len(siblings) == 3  # the input gradients through the query, key and value kernels
     assert len(set(siblings.values())) == 1

@@ -61,9 +61,6 @@ from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.spec import Spec
 
-# Operators whose work is worth splitting; a collective feeding one is on the critical path.
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-
 
 @dataclasses.dataclass(frozen=True)
 class RawCollective:
@@ -109,10 +106,11 @@ class ProgramCost:
         return self.step_s - self.compute_s
 
 
-def deferred_nodes(graph: OpGraph) -> frozenset[int]:
-    """Operators whose results reach no contraction: gradients, the optimizer's update, the
-    loss.  Their all-reduces are independent of one another (XLA combines them) and nothing
-    heavy waits for them."""
+def deferred_nodes(graph: OpGraph, contractions: frozenset[int]) -> frozenset[int]:
+    """Operators whose results reach no contraction (``contractions``: the nodes whose rule is
+    an ``OpCategory.CONTRACTION``, the work worth splitting, so a collective feeding one is on
+    the critical path): gradients, the optimizer's update, the loss.  Their all-reduces are
+    independent of one another (XLA combines them) and nothing heavy waits for them."""
     reaches = np.zeros(len(graph.nodes), dtype=bool)
     for node in reversed(graph.nodes):
         hit = False
@@ -120,7 +118,7 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
             for consumer, _ in graph.consumers[vid]:
                 if consumer <= node.id:  # a loop's back edge
                     continue
-                if reaches[consumer] or graph.nodes[consumer].name in _CONTRACTIONS:
+                if reaches[consumer] or consumer in contractions:
                     hit = True
                     break
             if hit:
@@ -129,7 +127,7 @@ def deferred_nodes(graph: OpGraph) -> frozenset[int]:
     return frozenset(n.id for n in graph.nodes if n.kind == "op" and not reaches[n.id])
 
 
-def sibling_buckets(graph: OpGraph) -> dict[int, float]:
+def sibling_buckets(graph: OpGraph, contractions: frozenset[int]) -> dict[int, float]:
     """Contractions whose results only meet in a sum (the ``add_any`` of the input gradients
     of a value read by several contractions: the query, key and value projections): split the
     same way, their all-reduces are independent and adjacent, and XLA combines them.  Per such
@@ -162,7 +160,7 @@ def sibling_buckets(graph: OpGraph) -> dict[int, float]:
 
     groups: dict[int, list[int]] = {}
     for node in graph.nodes:
-        if node.kind == "op" and node.name in _CONTRACTIONS:
+        if node.id in contractions:
             up = only_reader(node.id)
             if up is not None:
                 groups.setdefault(tree_root(up), []).append(node.id)
@@ -179,21 +177,18 @@ def sibling_buckets(graph: OpGraph) -> dict[int, float]:
 _SUMS = frozenset({"add_any", "add"})
 
 
-def deferred_bucket(graph: OpGraph, model: CostModel, deferred: frozenset[int]) -> float:
+def deferred_bucket(graph: OpGraph, model: CostModel, deferred: frozenset[int],
+                    contractions: frozenset[int]) -> float:
     """Bytes of the combined all-reduce a deferred all-reduce travels in, before a data-parallel
     plan tells (``SearchSpace.calibrate``): every deferred result that may all-reduce, up to
     XLA's threshold; 0 where XLA does not combine all-reduces."""
     threshold = model.hw.combine_threshold("all-reduce")
     if threshold <= 0:
         return 0.0
-    total = sum(graph.values[v].nbytes for n in deferred if _reduces(graph, n)
+    total = sum(graph.values[v].nbytes for n in deferred
+                if n in contractions or graph.nodes[n].name.startswith("reduce_")
                 for v in graph.nodes[n].outputs)
     return float(min(total, threshold))
-
-
-def _reduces(graph: OpGraph, nid: int) -> bool:
-    name = graph.nodes[nid].name
-    return name in _CONTRACTIONS or name.startswith("reduce_")
 
 
 def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: CostModel,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpar._src.rules.factors import FactorRule, RuleBuilder
+from jaxpar._src.rules.factors import FactorRule, OpCategory, RuleBuilder
 from jaxpar._src.rules.registry import OpView, register_rule, replicated_rule
 
 
@@ -122,7 +122,7 @@ def _pad_rule(op: OpView) -> FactorRule:
     return b.build([[p[0] for p in pairs], []], [[p[1] for p in pairs]])
 
 
-@register_rule("dynamic_slice")
+@register_rule("dynamic_slice", category=OpCategory.INDEXING)
 def _dynamic_slice_rule(op: OpView) -> FactorRule:
     ins, out = op.in_shapes[0], op.out_shapes[0]
     b = RuleBuilder()
@@ -131,7 +131,7 @@ def _dynamic_slice_rule(op: OpView) -> FactorRule:
     return b.build([[p[0] for p in pairs]] + indices, [[p[1] for p in pairs]])
 
 
-@register_rule("dynamic_update_slice")
+@register_rule("dynamic_update_slice", category=OpCategory.INDEXING)
 def _dynamic_update_slice_rule(op: OpView) -> FactorRule:
     operand, update = op.in_shapes[0], op.in_shapes[1]
     b = RuleBuilder()

@@ -16,6 +16,7 @@ from jaxpar._src.cost import Cost, CostModel
 from jaxpar._src.graph import Node, NodeKind, OpGraph
 from jaxpar._src.rules import (
     FactorRule,
+    OpCategory,
     OpStrategy,
     enumerate_strategies,
     op_view,
@@ -54,6 +55,7 @@ class SearchSpace:
         self._bucket: float | None = None
         self._siblings: dict[int, float] | None = None
         self._priced: dict[tuple, ProgramCost] = {}
+        self._categories: dict[frozenset, frozenset[int]] = {}
 
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
@@ -83,12 +85,27 @@ class SearchSpace:
             self._op_costs[key] = cost
         return cost
 
+    def in_category(self, *categories: OpCategory) -> frozenset[int]:
+        """The operators whose rule declares one of ``categories`` (``register_rule``'s
+        ``category=``): what the pricing and pruning treat as contractions or indexing."""
+        key = frozenset(categories)
+        found = self._categories.get(key)
+        if found is None:
+            found = self._categories[key] = frozenset(
+                n.id for n in self.graph.nodes
+                if n.kind is NodeKind.OP and self.rule(n.id).category in key)
+        return found
+
+    @property
+    def contractions(self) -> frozenset[int]:
+        return self.in_category(OpCategory.CONTRACTION)
+
     @property
     def deferred(self) -> frozenset[int]:
         """Operators whose results reach no contraction (gradients, optimizer, loss): XLA
         combines their all-reduces, and nothing heavy waits for them."""
         if self._deferred is None:
-            self._deferred = deferred_nodes(self.graph)
+            self._deferred = deferred_nodes(self.graph, self.contractions)
         return self._deferred
 
     @property
@@ -96,7 +113,8 @@ class SearchSpace:
         """Bytes of the combined all-reduce a deferred all-reduce travels in (0: XLA does not
         combine all-reduces on this hardware)."""
         if self._bucket is None:
-            self._bucket = deferred_bucket(self.graph, self.model, self.deferred)
+            self._bucket = deferred_bucket(self.graph, self.model, self.deferred,
+                                           self.contractions)
         return self._bucket
 
     def bucket_of(self, nid: int) -> float:
@@ -106,7 +124,7 @@ class SearchSpace:
         if nid in self.deferred:
             return self.bucket_bytes
         if self._siblings is None:
-            self._siblings = sibling_buckets(self.graph) \
+            self._siblings = sibling_buckets(self.graph, self.contractions) \
                 if self.model.hw.combine_threshold("all-reduce") > 0 else {}
         return self._siblings.get(nid, 0.0)
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from jaxpar._src.rules import FactorRule
+from jaxpar._src.rules import FactorRule, OpCategory
 from jaxpar._src.search.common import Pin, SearchSpace
 
-SEEDS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
-                   "scatter_add", "dynamic_slice", "dynamic_update_slice"})
+# Seeds: operators whose rule is a contraction or indexing (gathers, scatters, dynamic slices).
+SEEDS = (OpCategory.CONTRACTION, OpCategory.INDEXING)
 
 
 def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozenset[int]]:
@@ -64,9 +64,10 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
         dims_of[node.id] = per_factor
     useful: set[tuple[int, int]] = set()
     pinned = {p.node: p for p in pins}
+    seeds = space.in_category(*SEEDS)
     for node in graph.searchable():
         per_factor = dims_of[node.id]
-        if node.name in SEEDS and node.kind == "op":
+        if node.id in seeds:
             useful.update(find(m) for members in per_factor.values() for m in members)
         elif node.id in pinned:
             strategy = pinned[node.id].strategy
@@ -76,7 +77,7 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
         return {}
     out: dict[int, frozenset[int]] = {}
     for node in graph.searchable():
-        if node.id in pinned or (node.kind == "op" and node.name in SEEDS):
+        if node.id in pinned or node.id in seeds:
             continue
         dead = frozenset(f for f, members in dims_of[node.id].items()
                          if all(find(m) not in useful for m in members))
