@@ -86,3 +86,52 @@ def test_deferred_operators_and_summed_siblings():
     siblings = sibling_buckets(graph, space.contractions)
     assert len(siblings) == 3  # the input gradients through the query, key and value kernels
     assert len(set(siblings.values())) == 1
+
+
+def _crossed_gathers(hw: str):
+    """Two values gathered in two steps over the two mesh axes in opposite orders (as a
+    sharded optimizer update is gathered back to replicated parameters): ``a`` over ``mp``
+    then ``dp``, ``b`` over ``dp`` then ``mp``."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+
+    def f(a, b):
+        a = jax.lax.with_sharding_constraint(a * 2, NamedSharding(mesh, P("dp", None)))
+        b = jax.lax.with_sharding_constraint(b * 2, NamedSharding(mesh, P(None, "mp")))
+        return a + 1, b + 1
+
+    args = (jax.numpy.ones((16, 16)), jax.numpy.ones((16, 16)))
+    g = jaxpar.parallelize(f, mesh=mesh, parallel_mode="semi_auto_parallel", hardware=hw,
+                           in_strategy=(P("dp", "mp"), P("dp", "mp")), out_strategy=(P(), P()))
+    return g, args
+
+
+def _by_kind_and_axes(items) -> dict:
+    out: dict = {}
+    for c in items:
+        out[(c.kind, tuple(c.axes))] = out.get((c.kind, tuple(c.axes)), 0) + c.count
+    return out
+
+
+def test_crossed_gathers_predicted_as_compiled():
+    g, args = _crossed_gathers("cpu")  # XLA:CPU combines no all-gathers: four remain
+    predicted = _by_kind_and_axes(g.plan(*args).predicted_collectives())
+    compiled = _by_kind_and_axes(jaxpar.inspect.collectives(g.lower(*args).compile()))
+    assert predicted == compiled == {("all-gather", ("mp",)): 2, ("all-gather", ("dp",)): 2}
+
+
+def test_combining_never_makes_a_cycle():
+    # XLA:GPU combines all-gathers.  The first mp gather (a's) and the second (b's) are
+    # independent and combine; a's dp gather then waits for that group, which waits for b's
+    # dp gather: the two dp gathers cannot combine too (a cycle, which once priced the whole
+    # step at 0 s because the schedule never reached the deadlocked collectives).
+    g, args = _crossed_gathers("h100")
+    plan = g.plan(*args)
+    groups = sorted((c.kind, c.axes, c.members) for c in plan.predicted_collectives())
+    assert groups == [("all-gather", ("dp",), 1), ("all-gather", ("dp",), 1),
+                      ("all-gather", ("mp",), 2)]
+    s = plan.summary()
+    # One network stream: the step takes at least every collective's time.
+    assert s["step_time_s"] >= s["communication_s"] > 0

@@ -291,6 +291,7 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
     while remaining:
         members: list[int] = []
         mask = 0
+        below = 0  # what the members depend on: a collective there cannot join them
         size = 0.0
         key = None
         taken = set()
@@ -313,11 +314,15 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
                 if not members:
                     key = None
                 continue
-            if size + nbytes > limit or deps[k] & mask:
+            # Either direction of a dependency keeps a collective out of the group: the
+            # post order rules out a member depending on a later collective only until groups
+            # combine, and joining one the members wait for would make a cycle (a deadlock).
+            if size + nbytes > limit or deps[k] & mask or below >> k & 1:
                 break
             members.append(k)
             taken.add(k)
             mask |= 1 << k
+            below |= deps[k]
             size += nbytes
             if len(members) >= count_limit:
                 break
@@ -445,6 +450,7 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
     ready = [0.0] * len(preds)
     free = [0.0, 0.0]  # compute, network
     end = 0.0
+    done = 0
     while heap:
         _, _, u = heapq.heappop(heap)
         stream = 0 if u < n_nodes else 1
@@ -452,11 +458,14 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
         finish = start + duration[u]
         free[stream] = finish
         end = max(end, finish)
+        done += 1
         for v in succs[u]:
             ready[v] = max(ready[v], finish)
             indegree[v] -= 1
             if indegree[v] == 0:
                 heapq.heappush(heap, (ready[v], _priority(v, n_nodes, issued, raw), v))
+    # A unit never scheduled (a cycle through combined collectives) would drop its time.
+    assert done == len(preds), "combined collectives depend on one another in a cycle"
     return end
 
 
