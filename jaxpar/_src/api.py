@@ -22,6 +22,7 @@ from jaxpar._src.context import (
 )
 from jaxpar._src.cost import CostModel
 from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
+from jaxpar._src.dispatch import MISS, FastPath, check_signature
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
@@ -94,17 +95,25 @@ class Parallelized:
             static_argnums=static_argnums, parameter_plan=parameter_plan, api=api)
         self._cache: dict[Any, Compiled] = {}
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
+        self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            out = self._fast.call(args)
+            if out is not MISS:
+                return out
         info = self._info
         args = info.bind(args, kwargs)
+        ctx, algo = current_context(), algo_parameters()
         entry = self._compiled(args)
         full = self._placed(args, entry)
         if pynative():  # eager, op by op, on the arguments placed as the plan says
             with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
                 return info.fn(*full)
-        return entry.jitted(*full)
+        out = entry.jitted(*full)
+        self._fast.remember(ctx, algo, entry.jitted)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
@@ -197,16 +206,17 @@ class Parallelized:
     def _compiled(self, args: tuple) -> Compiled:
         settings = self._settings(args)
         info = self._info
-        key = (call_key(args, info.static_argnums, api=info.api,
-                        names=info.arg_names(len(args))), settings)
+        signature = call_key(args, info.static_argnums, api=info.api,
+                             names=info.arg_names(len(args)))
+        key = (signature, settings)
         entry = self._cache.get(key)
         if entry is None:
             with paused_gc():
-                entry = self._cache[key] = self._build(args, settings)
+                entry = self._cache[key] = self._build(args, settings, signature)
             remember(entry.plan, entry.program.graph)  # for plan.report() / notebooks
         return entry
 
-    def _build(self, args: tuple, settings: Settings) -> Compiled:
+    def _build(self, args: tuple, settings: Settings, signature: tuple) -> Compiled:
         info = self._info
         t0 = time.perf_counter()
         if settings.ckpt_save:  # before planning, not after it
@@ -214,7 +224,9 @@ class Parallelized:
         names = info.arg_names(len(args))
         mesh = settings.mesh
         trace_mesh = self._trace_mesh(settings)
-        with tracing_with(mesh), _mesh_context(trace_mesh, abstract=True):
+        # tracing_with sets JAX's abstract mesh: the plan's, or in stand_alone the mesh the
+        # function would otherwise run on (its bare PartitionSpecs name that mesh's axes).
+        with tracing_with(trace_mesh):
             try:
                 program = trace(info.fn, args, static_argnums=info.static_argnums,
                                 arg_names=names)
@@ -259,7 +271,7 @@ class Parallelized:
         in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                      for n in program.graph.inputs]
         arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals)
+        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
         return Compiled(program, plan, settings, jitted, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1})
 
@@ -297,7 +309,7 @@ class Parallelized:
             return None
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings, arrivals: Sequence[Spec | None]
+             settings: Settings, arrivals: Sequence[Spec | None], signature: tuple
              ) -> tuple[Any, tuple[Any, ...]]:
         info = self._info
         graph = program.graph
@@ -314,6 +326,8 @@ class Parallelized:
         in_tree, out_tree = program.in_tree, program.out_tree
 
         def wrapped(*args: Any) -> Any:
+            # A fast-path call that jit traces anew must be one this plan was made for.
+            check_signature(args, signature, info.static_argnums, api=info.api)
             dyn = tuple(a for i, a in enumerate(args) if i not in static)
             leaves = jax.tree.leaves(dyn)
             for k, sharding in entry.items():
@@ -330,16 +344,12 @@ class Parallelized:
 
 
 @contextlib.contextmanager
-def _mesh_context(mesh: Mesh, *, abstract: bool = False) -> Iterator[None]:
-    """``mesh`` as JAX's context mesh: ``with_sharding_constraint(x, P(...))`` in the user's
-    function then needs no ``jax.set_mesh`` of its own.  Tracing needs only the abstract mesh;
-    eager execution (PyNative) the devices too."""
-    if abstract:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            yield
-    else:
-        with jax.set_mesh(mesh):
-            yield
+def _mesh_context(mesh: Mesh) -> Iterator[None]:
+    """``mesh`` as JAX's context mesh for eager execution (PyNative):
+    ``with_sharding_constraint(x, P(...))`` in the user's function then needs no
+    ``jax.set_mesh`` of its own."""
+    with jax.set_mesh(mesh):
+        yield
 
 
 def _place(x: Any, sharding: Any) -> Any:
