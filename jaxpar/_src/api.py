@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxpar._src.arguments import parallelize_info
 from jaxpar._src.cache_key import call_key
+from jaxpar._src.config import config
 from jaxpar._src.context import (
     AlgoParameters,
     ParallelMode,
@@ -32,6 +33,7 @@ from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.plan_cache import load_cached, plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.report.context import remember
@@ -245,6 +247,34 @@ class Parallelized:
                 batch = self._batch(args, program, names)
         t1 = time.perf_counter()
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
+        # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
+        cache_dir = config.plan_cache_dir
+        key = plan = None
+        if cache_dir and not settings.ckpt_load and settings.mode is not ParallelMode.STAND_ALONE:
+            key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
+                                 out_tree=program.out_tree, signature=signature,
+                                 settings=settings, info=info)
+            plan = load_cached(cache_dir, key, program.graph, api=info.api)
+        if plan is None:
+            plan = self._plan(args, program, settings, names, batch)
+            if key is not None and cache_dir:
+                store_cached(cache_dir, key, plan, api=info.api)
+        if settings.ckpt_save:
+            plan.save(settings.ckpt_save)
+        t2 = time.perf_counter()
+        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                     for n in program.graph.inputs]
+        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
+        return Compiled(program, plan, settings, jitted, flat_in,
+                        {"trace": t1 - t0, "search": t2 - t1})
+
+    def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
+              batch: tuple[int, ...] | None) -> ShardingPlan:
+        """The plan of ``program``: pins gathered, strategies searched (or loaded from the
+        strategy file), every node and edge priced."""
+        info = self._info
+        mesh = settings.mesh
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
@@ -261,19 +291,10 @@ class Parallelized:
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
                               api=info.api)
-        plan = make_plan(program.graph, decision.assignment, space,
+        return make_plan(program.graph, decision.assignment, space,
                          device_ids=[d.id for d in mesh.devices.flat],
                          parallel_mode=settings.mode.value, search_mode=decision.search_mode,
                          details=decision.details, report=decision.report)
-        if settings.ckpt_save:
-            plan.save(settings.ckpt_save)
-        t2 = time.perf_counter()
-        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                     for n in program.graph.inputs]
-        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
-        return Compiled(program, plan, settings, jitted, flat_in,
-                        {"trace": t1 - t0, "search": t2 - t1})
 
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
         info = self._info
