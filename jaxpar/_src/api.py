@@ -113,7 +113,8 @@ class Parallelized:
         if pynative():  # eager, op by op, on the arguments placed as the plan says
             with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
                 return info.fn(*full)
-        out = entry.jitted(*full)
+        with paused_gc():  # a first call traces the evaluator: many objects, none to free
+            out = entry.jitted(*full)
         self._fast.remember(ctx, algo, entry.jitted)
         return out
 
