@@ -20,8 +20,10 @@ itself costs.  Seven groups of tables, all in one run:
 
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
 measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
-prediction against the clock: ``clock.json``/``clock.md``, the profile in ``hw.json``) and
-``bench/zoo_bench.py`` (models written by others: ``zoo.json``/``zoo.md``).
+prediction against the clock: ``clock.json``/``clock.md``, the profile in ``hw.json``),
+``bench/zoo_bench.py`` (models written by others: ``zoo.json``/``zoo.md``) and
+``bench/first_call.py`` (first calls in fresh processes, with and without the caches, and the
+per-call cost, against ``jax.jit``: ``first_call.json``/``first_call.md``).
 """
 
 from __future__ import annotations
@@ -429,10 +431,11 @@ def main() -> None:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
-    from bench import clock, zoo, zoo_bench  # the measurement sections (issue 9)
+    from bench import clock, first_call, zoo, zoo_bench  # the measurement sections
 
     clock.run(args.quick, args.out)
     zoo_bench.run(zoo.NAMES, args.quick, args.out, os.path.join(args.out, "hw.json"))
+    first_call.run(args.quick, args.out)  # first calls and per-call cost against jax.jit
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from jaxpar._src.checkpoint.load import load_distributed_checkpoint as load_dist
 from jaxpar._src.checkpoint.merge import merge_sliced_parameter as merge_sliced_parameter
 from jaxpar._src.checkpoint.save import save_checkpoint as save_checkpoint
 from jaxpar._src.checkpoint.transform import transform_checkpoints as transform_checkpoints
+from jaxpar._src.config import config as config
 from jaxpar._src.context import ParallelMode as ParallelMode
 from jaxpar._src.context import auto_parallel_context as auto_parallel_context
 from jaxpar._src.context import get_algo_parameters as get_algo_parameters
@@ -108,4 +109,5 @@ __all__ = [
     "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_ps_context",
     "set_seed", "shard",
     "PlanDiff", "Report",  # plan reports
+    "config",  # process-wide settings: plan_cache_dir
 ]

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxpar._src.arguments import parallelize_info
 from jaxpar._src.cache_key import call_key
+from jaxpar._src.config import config
 from jaxpar._src.context import (
     AlgoParameters,
     ParallelMode,
@@ -22,6 +23,7 @@ from jaxpar._src.context import (
 )
 from jaxpar._src.cost import CostModel
 from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
+from jaxpar._src.dispatch import MISS, FastPath, check_signature
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
@@ -31,6 +33,7 @@ from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.plan_cache import load_cached, plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.report.context import remember
@@ -94,17 +97,26 @@ class Parallelized:
             static_argnums=static_argnums, parameter_plan=parameter_plan, api=api)
         self._cache: dict[Any, Compiled] = {}
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
+        self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            out = self._fast.call(args)
+            if out is not MISS:
+                return out
         info = self._info
         args = info.bind(args, kwargs)
+        ctx, algo = current_context(), algo_parameters()
         entry = self._compiled(args)
         full = self._placed(args, entry)
         if pynative():  # eager, op by op, on the arguments placed as the plan says
             with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
                 return info.fn(*full)
-        return entry.jitted(*full)
+        with paused_gc():  # a first call traces the evaluator: many objects, none to free
+            out = entry.jitted(*full)
+        self._fast.remember(ctx, algo, entry.jitted)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
@@ -197,16 +209,17 @@ class Parallelized:
     def _compiled(self, args: tuple) -> Compiled:
         settings = self._settings(args)
         info = self._info
-        key = (call_key(args, info.static_argnums, api=info.api,
-                        names=info.arg_names(len(args))), settings)
+        signature = call_key(args, info.static_argnums, api=info.api,
+                             names=info.arg_names(len(args)))
+        key = (signature, settings)
         entry = self._cache.get(key)
         if entry is None:
             with paused_gc():
-                entry = self._cache[key] = self._build(args, settings)
+                entry = self._cache[key] = self._build(args, settings, signature)
             remember(entry.plan, entry.program.graph)  # for plan.report() / notebooks
         return entry
 
-    def _build(self, args: tuple, settings: Settings) -> Compiled:
+    def _build(self, args: tuple, settings: Settings, signature: tuple) -> Compiled:
         info = self._info
         t0 = time.perf_counter()
         if settings.ckpt_save:  # before planning, not after it
@@ -233,6 +246,34 @@ class Parallelized:
                 batch = self._batch(args, program, names)
         t1 = time.perf_counter()
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
+        # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
+        cache_dir = config.plan_cache_dir
+        key = plan = None
+        if cache_dir and not settings.ckpt_load and settings.mode is not ParallelMode.STAND_ALONE:
+            key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
+                                 out_tree=program.out_tree, signature=signature,
+                                 settings=settings, info=info)
+            plan = load_cached(cache_dir, key, program.graph, api=info.api)
+        if plan is None:
+            plan = self._plan(args, program, settings, names, batch)
+            if key is not None and cache_dir:
+                store_cached(cache_dir, key, plan, api=info.api)
+        if settings.ckpt_save:
+            plan.save(settings.ckpt_save)
+        t2 = time.perf_counter()
+        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                     for n in program.graph.inputs]
+        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
+        return Compiled(program, plan, settings, jitted, flat_in,
+                        {"trace": t1 - t0, "search": t2 - t1})
+
+    def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
+              batch: tuple[int, ...] | None) -> ShardingPlan:
+        """The plan of ``program``: pins gathered, strategies searched (or loaded from the
+        strategy file), every node and edge priced."""
+        info = self._info
+        mesh = settings.mesh
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
@@ -249,19 +290,10 @@ class Parallelized:
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
                               api=info.api)
-        plan = make_plan(program.graph, decision.assignment, space,
+        return make_plan(program.graph, decision.assignment, space,
                          device_ids=[d.id for d in mesh.devices.flat],
                          parallel_mode=settings.mode.value, search_mode=decision.search_mode,
                          details=decision.details, report=decision.report)
-        if settings.ckpt_save:
-            plan.save(settings.ckpt_save)
-        t2 = time.perf_counter()
-        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                     for n in program.graph.inputs]
-        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals)
-        return Compiled(program, plan, settings, jitted, flat_in,
-                        {"trace": t1 - t0, "search": t2 - t1})
 
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
         info = self._info
@@ -297,7 +329,7 @@ class Parallelized:
             return None
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings, arrivals: Sequence[Spec | None]
+             settings: Settings, arrivals: Sequence[Spec | None], signature: tuple
              ) -> tuple[Any, tuple[Any, ...]]:
         info = self._info
         graph = program.graph
@@ -314,6 +346,8 @@ class Parallelized:
         in_tree, out_tree = program.in_tree, program.out_tree
 
         def wrapped(*args: Any) -> Any:
+            # A fast-path call that jit traces anew must be one this plan was made for.
+            check_signature(args, signature, info.static_argnums, api=info.api)
             dyn = tuple(a for i, a in enumerate(args) if i not in static)
             leaves = jax.tree.leaves(dyn)
             for k, sharding in entry.items():

@@ -89,6 +89,25 @@ def save_plan(plan: ShardingPlan, path: str | os.PathLike) -> None:
         raise PlanError(f"jaxpar: cannot save the plan to {os.fspath(path)!r}: {e}.") from None
 
 
+def structure_mismatch(saved: ShardingPlan, graph: OpGraph) -> str | None:
+    """How the program ``saved`` was made for differs from ``graph``, or ``None``: its
+    arguments (:func:`input_mismatch`), its node count, or the first node whose kind, operator or
+    result shapes differ."""
+    differs = input_mismatch(saved, graph)
+    if differs is not None:
+        return differs
+    if len(saved.decisions) != len(graph.nodes):
+        return (f"it has {len(saved.decisions)} nodes; this program has {len(graph.nodes)}. It was "
+                f"made for another program or other argument shapes")
+    for node, d in zip(graph.nodes, saved.decisions, strict=True):
+        shapes = tuple(graph.values[v].shape for v in node.outputs)
+        if (node.kind, node.name, shapes) != (d.kind, d.name, d.out_shapes):
+            return (f"at node {node.id}: here {node.kind} {node.name} {list(shapes)} "
+                    f"({node.source}), in the file {d.kind} {d.name} "
+                    f"{[list(s) for s in d.out_shapes]}")
+    return None
+
+
 def input_mismatch(saved: ShardingPlan, graph: OpGraph) -> str | None:
     """How the arguments ``saved`` was made for differ from ``graph``'s, or ``None``.
 

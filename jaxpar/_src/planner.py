@@ -20,7 +20,7 @@ from jaxpar._src.cost import CostModel
 from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
-from jaxpar._src.plan_files import input_mismatch
+from jaxpar._src.plan_files import input_mismatch, structure_mismatch
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import (
     Assignment,
@@ -68,18 +68,12 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
             f"{api}: the strategy file {path!r} does not match this program: {differs}. It was "
             f"saved for other arguments: call with those, or plan this call afresh (unset "
             f"strategy_ckpt_load_file; strategy_ckpt_save_file writes a new one).")
-    if len(saved.decisions) != len(graph.nodes):
-        raise PlanError(f"{api}: the strategy file {path!r} has {len(saved.decisions)} nodes; "
-                        f"this program has {len(graph.nodes)}. It was made for another program "
-                        f"or other argument shapes.")
+    differs = structure_mismatch(saved, graph)
+    if differs is not None:
+        raise PlanError(f"{api}: the strategy file {path!r} does not match this program: "
+                        f"{differs}.")
     strategies, origins = {}, {}
     for node, d in zip(graph.nodes, saved.decisions, strict=True):
-        shapes = tuple(graph.values[v].shape for v in node.outputs)
-        if (node.kind, node.name, shapes) != (d.kind, d.name, d.out_shapes):
-            raise PlanError(
-                f"{api}: the strategy file {path!r} does not match this program at node "
-                f"{node.id}: here {node.kind} {node.name} {list(shapes)} ({node.source}), in the "
-                f"file {d.kind} {d.name} {[list(s) for s in d.out_shapes]}.")
         if node.kind is NodeKind.CONTROL:
             continue
         specs = {("in", i): s for i, s in enumerate(d.in_specs)}

@@ -1,0 +1,323 @@
+"""What a user waits for: the first call of a parallelized train step against the first call of
+``jax.jit`` with the same shardings, the same again with both caches warm, and every later call.
+
+Three tables, in ``first_call.json`` / ``first_call.md``:
+
+1. **per call**: a step whose inputs are already where the plan wants them, called through
+   ``jaxpar.parallelize`` and through the very ``jax.jit`` object jaxpar built for it (the same
+   executable): microseconds per call (best of interleaved rounds) and their difference, the
+   Python jaxpar adds.  On a cheap step over the 2-layer GPT's arguments (89 Flax NNX leaves:
+   flattening them is most of ``jax.jit``'s own cost) and over a plain dict of arrays, then the
+   2-layer GPT train step itself;
+2. **first call**, each in a fresh process (``subprocess``), on a GPT train step (d=128, batch
+   16 x 16, mesh ``(dp=2, mp=4)``, ``auto_parallel``) of 6 and 24 layers (and 96 without
+   ``--quick``): ``parallelize(step)(*args)`` against ``jax.jit(step, in_shardings=...,
+   out_shardings=...)(*args)`` given the shardings jaxpar chose; the first run with empty caches,
+   the second with jaxpar's plan cache (``jaxpar.config.plan_cache_dir``) and JAX's persistent
+   compilation cache (``jax_compilation_cache_dir``) filled by the first; jaxpar's phases
+   (trace, plan, lower = JAX's trace of the evaluator and its StableHLO, XLA compile) from
+   ``jax.monitoring``'s compile events and the plan's own timings.
+
+``python bench/first_call.py [--quick] [--out DIR]``; ``make bench`` runs it after the other
+sections.  Times on a shared 2-core machine are noisy: the ratios mean more than the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+
+def _setup():
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import gpt
+
+    import jaxpar
+
+    return jax, gpt, jaxpar
+
+
+def _gpt(gpt, layers: int, seq: int = 16, batch: int = 16):
+    cfg = gpt.GPTConfig(layers=layers, seq=seq, annotate=False)
+    step, params, opt_state = gpt.make_train_step(cfg)
+    data = next(gpt.batches(gpt.corpus(), batch, cfg.seq))
+    return step, (params, opt_state, data)
+
+
+# -- 1. per call ----------------------------------------------------------------------------
+class _Probe:
+    """A jitted function that notes when it is entered and left: what a call of the
+    parallelized function spends before and after it is jaxpar's own Python."""
+
+    def __init__(self, fn):
+        self.fn, self.entered, self.left = fn, 0.0, 0.0
+
+    def __call__(self, *args):
+        self.entered = time.perf_counter()
+        out = self.fn(*args)
+        self.left = time.perf_counter()
+        return out
+
+
+def _rounds(jax, pf, probe, args, rounds: int, calls: int) -> dict:
+    """Per-call seconds, best of interleaved rounds, each call waited for: through jaxpar and
+    through the jitted function alone; and jaxpar's own Python per call (before and after the
+    jitted function: it does not depend on how long XLA runs), the best and the median call."""
+    best: dict[str, list[float]] = {"jaxpar": [], "jit": []}
+    own = []
+    for _ in range(rounds):
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            out = pf(*args)
+            t1 = time.perf_counter()
+            own.append((probe.entered - t0) + (t1 - probe.left))
+            jax.block_until_ready(out)
+            del out  # freed here, not inside the next timed call
+        for name, fn in (("jaxpar", pf), ("jit", probe.fn)):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+            best[name].append((time.perf_counter() - t0) / calls)
+    return {k: min(v) for k, v in best.items()} | {"own": min(own),
+                                                   "own_median": statistics.median(own)}
+
+
+def per_call_rows(quick: bool) -> list[dict]:
+    jax, gpt, jaxpar = _setup()
+    import jax.numpy as jnp
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    step, args = _gpt(gpt, 2)
+
+    def touch(params, opt_state, batch):  # every leaf read and written, nothing to communicate
+        bump = jax.tree.map(lambda v: v + 1, (params, opt_state))
+        return bump[0], bump[1], jnp.sum(batch)
+
+    def touch_dict(params, batch):
+        return jax.tree.map(lambda v: v + 1, params), jnp.sum(batch)
+
+    keys = jax.random.split(jax.random.key(0), 44)
+    plain = {f"w{i}": jax.random.normal(k, (16, 16)) for i, k in enumerate(keys)}
+    cases = [
+        ("cheap step, GPT-2L arguments (NNX)", touch, args, "data_parallel", 15, 100),
+        ("cheap step, dict of 44 arrays", touch_dict, (plain, args[2]), "data_parallel", 15,
+         100),
+        ("GPT-2L train step", step, args, "auto_parallel", 5, 10),
+    ]
+    rows = []
+    for name, fn, fn_args, mode, rounds, calls in cases:
+        if quick:
+            rounds, calls = max(3, rounds // 3), max(3, calls // 4)
+        pf = jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)
+        entry = pf.compiled_entry(*fn_args)
+        placed = pf._placed(fn_args, entry)  # the inputs where the plan wants them
+        probe = _Probe(entry.jitted)
+        object.__setattr__(entry, "jitted", probe)  # the frozen record's jitted, watched
+        jax.block_until_ready(pf(*placed))  # compiles; later calls reuse it
+        jax.block_until_ready(pf(*placed))
+        got = _rounds(jax, pf, probe, placed, rounds, calls)
+        rows.append({"case": name, "leaves": len(jax.tree.leaves(placed)), "mode": mode,
+                     "jaxpar_us": got["jaxpar"] * 1e6, "jit_us": got["jit"] * 1e6,
+                     "own_us": got["own"] * 1e6, "own_median_us": got["own_median"] * 1e6,
+                     "ratio": got["jaxpar"] / got["jit"], "rounds": rounds, "calls": calls})
+        print(f"per call {name}: jaxpar {got['jaxpar'] * 1e6:.0f} us, jax.jit "
+              f"{got['jit'] * 1e6:.0f} us, jaxpar's own Python {got['own'] * 1e6:.1f} us",
+              flush=True)
+    return rows
+
+
+def per_call_table(rows: list[dict]) -> list[str]:
+    lines = ["## Per call, inputs placed", "",
+             "The same executable called through jaxpar and through the jax.jit object jaxpar "
+             "built; per-call time waited for, best of interleaved rounds; jaxpar's own = its "
+             "Python before and after the jitted function, per call (best and median call).",
+             "",
+             "| step | leaves | jaxpar us | jax.jit us | ratio | jaxpar's own us (best) | "
+             "(median) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['leaves']} | {r['jaxpar_us']:.0f} | "
+                     f"{r['jit_us']:.0f} | {r['ratio']:.3f} | {r['own_us']:.1f} | "
+                     f"{r['own_median_us']:.1f} |")
+    return lines
+
+
+# -- 2. first call, fresh processes ---------------------------------------------------------
+_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "jax_trace_s",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "to_mlir_s",
+           "/jax/core/compile/backend_compile_duration": "xla_compile_s"}
+
+
+def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str) -> dict:
+    """One first call in this (fresh) process: ``kind`` is ``jaxpar`` or ``jit``."""
+    jax, gpt, jaxpar = _setup()
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_compilation_cache_dir", xla_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # keep every program
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    events: dict[str, float] = {}
+
+    def listen(event: str, seconds: float, **_: object) -> None:
+        if event in _EVENTS:
+            events[_EVENTS[event]] = events.get(_EVENTS[event], 0.0) + seconds
+
+    step, args = _gpt(gpt, layers)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    jax.block_until_ready(args)
+    jax.monitoring.register_event_duration_secs_listener(listen)  # the first call's events
+    row: dict = {"kind": kind, "layers": layers}
+    if kind == "jaxpar":
+        jaxpar.config.update("plan_cache_dir", plan_dir)
+        t0 = time.perf_counter()
+        pf = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel")
+        entry = pf.compiled_entry(*args)  # trace and plan (what pf(*args) does first)
+        t1 = time.perf_counter()
+        events.clear()  # what JAX records from here on is the lowering and compile
+        jax.block_until_ready(pf(*args))  # lower, compile, run
+        t2 = time.perf_counter()
+        plan = entry.plan
+        row.update(first_call_s=t2 - t0, trace_s=entry.timings["trace"],
+                   plan_s=entry.timings["search"], call_s=t2 - t1,
+                   plan_cache_hit=bool(plan.notes) and plan.notes[-1].startswith(
+                       "loaded from the plan cache"),
+                   ops=entry.program.graph.count("op"))
+        if not os.path.exists(specs_path):
+            with open(specs_path, "w") as f:
+                json.dump({"in": [list(s.to_partition_spec()) for s in plan.input_specs],
+                           "out": [list(s.to_partition_spec()) for s in plan.output_specs]}, f)
+    else:
+        with open(specs_path) as f:
+            specs = json.load(f)
+
+        def shardings(tree, flat):
+            return jax.tree.unflatten(jax.tree.structure(tree), [
+                NamedSharding(mesh, P(*(tuple(a) if isinstance(a, list) else a for a in s)))
+                for s in flat])
+
+        out_tree = jax.eval_shape(step, *args)
+        t0 = time.perf_counter()
+        jitted = jax.jit(step, in_shardings=shardings(args, specs["in"]),
+                         out_shardings=shardings(out_tree, specs["out"]))
+        jax.block_until_ready(jitted(*args))
+        row.update(first_call_s=time.perf_counter() - t0)
+    row.update(events)
+    return row
+
+
+def _spawn(kind: str, layers: int, plan_dir: str, xla_dir: str, specs: str) -> dict:
+    out = specs + f".{kind}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--layers", str(layers),
+           "--plan-dir", plan_dir, "--xla-dir", xla_dir, "--specs", specs, "--row", out]
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    with open(out) as f:
+        return json.load(f)
+
+
+def first_call_rows(sizes: list[int]) -> list[dict]:
+    """Per size, fresh processes: jaxpar and jax.jit with empty caches, then both again with
+    the caches the first processes filled."""
+    rows = []
+    for layers in sizes:
+        with tempfile.TemporaryDirectory(prefix="jaxpar-first-call-") as tmp:
+            specs = os.path.join(tmp, "specs.json")
+            dirs = {k: os.path.join(tmp, k) for k in ("plans", "xla-jaxpar", "xla-jit")}
+            for run in (1, 2):
+                ours = _spawn("jaxpar", layers, dirs["plans"], dirs["xla-jaxpar"], specs)
+                jit = _spawn("jit", layers, dirs["plans"], dirs["xla-jit"], specs)
+                row = {"layers": layers, "run": run, "ops": ours["ops"],
+                       "jaxpar_s": ours["first_call_s"], "jit_s": jit["first_call_s"],
+                       "ratio": ours["first_call_s"] / jit["first_call_s"],
+                       "plan_cache_hit": ours["plan_cache_hit"],
+                       "phases": {k: ours.get(k, 0.0) for k in (
+                           "trace_s", "plan_s", "jax_trace_s", "to_mlir_s", "xla_compile_s")},
+                       "jit_phases": {k: jit.get(k, 0.0) for k in (
+                           "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
+                rows.append(row)
+                print(f"first call, {layers} layers, run {run}: jaxpar {row['jaxpar_s']:.1f}s, "
+                      f"jax.jit {row['jit_s']:.1f}s", flush=True)
+    return rows
+
+
+def first_call_table(rows: list[dict]) -> list[str]:
+    lines = ["## First call, fresh processes", "",
+             "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel; jax.jit "
+             "given the shardings jaxpar chose. Run 1: empty caches; run 2: jaxpar's plan cache "
+             "and JAX's compilation cache (a directory each) as run 1 left them. jaxpar's "
+             "phases: trace (its jaxpr and graph), plan (search, or plan cache), lower (JAX's "
+             "trace of the evaluator + StableHLO), XLA compile; seconds.", "",
+             "| layers | ops | run | jaxpar s | jax.jit s | ratio | run 2 / run 1 | plan cache | "
+             "trace | plan | lower | XLA compile | jit's XLA compile |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    first = {}
+    for r in rows:
+        if r["run"] == 1:
+            first[r["layers"]] = r["jaxpar_s"]
+        p, j = r["phases"], r["jit_phases"]
+        again = f"{r['jaxpar_s'] / first[r['layers']]:.2f}" if r["run"] == 2 else ""
+        lines.append(
+            f"| {r['layers']} | {r['ops']} | {r['run']} | {r['jaxpar_s']:.1f} | {r['jit_s']:.1f} "
+            f"| {r['ratio']:.2f} | {again} | {'hit' if r['plan_cache_hit'] else 'miss'} | "
+            f"{p['trace_s']:.1f} | {p['plan_s']:.1f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
+            f"{p['xla_compile_s']:.1f} | {j['xla_compile_s']:.1f} |")
+    return lines
+
+
+def run(quick: bool, out_dir: str, sizes: list[int] | None = None,
+        per_call: bool = True) -> dict:
+    """Both tables; writes ``first_call.json`` and ``first_call.md`` to ``out_dir``."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    sizes = sizes or ([6, 24] if quick else [6, 24, 96])
+    result = {"load_average": load, "cpus": os.cpu_count(),
+              "per_call": per_call_rows(quick) if per_call else [],
+              "first_call": first_call_rows(sizes)}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "first_call.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["# First call and per call: jaxpar against jax.jit", "",
+             f"{result['cpus']} CPUs, load average {load:.1f} at the start: the seconds are "
+             f"noisy, the ratios less so.", ""]
+    if result["per_call"]:
+        lines += per_call_table(result["per_call"]) + [""]
+    lines += first_call_table(result["first_call"]) + [""]
+    with open(os.path.join(out_dir, "first_call.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, 6 and 24 layers")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--layers", type=int, nargs="*", help="first-call sizes (6 24 96)")
+    parser.add_argument("--skip-per-call", action="store_true")
+    for name in ("--child", "--plan-dir", "--xla-dir", "--specs", "--row"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:  # one first call, in a process of its own (see _spawn)
+        row = _child(args.child, args.layers[0], args.plan_dir, args.xla_dir, args.specs)
+        with open(args.row, "w") as f:
+            json.dump(row, f)
+        return row
+    return run(args.quick, args.out, args.layers, not args.skip_per_call)
+
+
+if __name__ == "__main__":
+    main()

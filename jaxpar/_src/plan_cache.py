@@ -1,0 +1,263 @@
+"""The persistent plan cache: a plan searched once is found again by later processes.
+
+With ``jaxpar.config.plan_cache_dir`` set, every plan ``parallelize`` searches is written there,
+and a later process (the same script run again, another rank) that traces the same program with
+the same settings loads it instead of searching: ``<dir>/<key digest>.json`` holds the key's
+description and the plan in the format of :meth:`ShardingPlan.to_json`.  The program is still
+traced (lowering evaluates the traced graph); what a hit skips is building the search problem,
+the search and the pricing of the plan.
+
+The key is a SHA-256 of everything a plan depends on:
+
+* the program: every node of the traced graph (operator, operands, result shapes and dtypes,
+  equation parameters, loop structure, source line), the argument and result trees and paths;
+* the arguments as ``jax.jit`` keys them (:func:`call_key`: shapes, dtypes, weak types, static
+  values by type);
+* the mesh (axis names and sizes, device ids, kinds and platform), the parallel and search
+  modes, the hardware profile, the algorithm parameters, the dataset strategy, the user's
+  strategies (``in_strategy``, ``out_strategy``, ``parameter_plan``, ``batch_argnums``) and the
+  registered operator rules;
+* jaxpar's version and a digest of its own source, JAX's and jaxlib's versions.
+
+Change any of them and the key changes: the old entry is not read.  An entry that cannot be read
+(not JSON, another format, a plan that does not fit the program) is ignored with a
+:class:`JaxparWarning`, and the plan searched afresh replaces it.  Entries are written under a
+temporary name and renamed into place, so a reader never sees half a file, and processes writing
+the same entry at once do not corrupt it.  A directory that cannot be written warns once and is
+then left alone: a cache never stops a run.
+
+>>> import jax.numpy as jnp, jaxpar, tempfile
+>>> f = lambda x, w: jnp.tanh(x @ w)
+>>> x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+>>> mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+>>> jaxpar.config.update("plan_cache_dir", tempfile.mkdtemp())
+>>> first = jaxpar.parallelize(f, mesh=mesh, parallel_mode="auto_parallel").plan(x, w)
+>>> again = jaxpar.parallelize(f, mesh=mesh, parallel_mode="auto_parallel").plan(x, w)
+>>> again.notes[-1].startswith("loaded from the plan cache")
+True
+>>> again.input_layouts() == first.input_layouts()
+True
+>>> jaxpar.config.update("plan_cache_dir", None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from jaxpar._src.errors import JaxparWarning, PlanError, warn_once
+from jaxpar._src.graph import Const, OpGraph
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.plan_files import structure_mismatch
+from jaxpar._src.plan_json import plan_from_dict, plan_to_dict
+
+FORMAT = "jaxpar.plan-cache/1"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ between processes
+HIT_NOTE = "loaded from the plan cache"  # the start of a loaded plan's last note
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """The key of one plan: its digest (the file name) and what it was computed from."""
+
+    digest: str
+    description: Mapping[str, Any]  # JSON data: stored in the entry and checked on load
+
+    def path(self, directory: str) -> str:
+        return os.path.join(directory, f"{self.digest}.json")
+
+
+def plan_cache_key(*, graph: OpGraph, in_tree: Any, out_tree: Any, signature: Sequence[Any],
+                   settings: Any, info: Any) -> CacheKey:
+    """The key of the plan of ``graph`` traced from arguments of ``signature`` (a
+    :func:`call_key`), under ``settings`` (``api.Settings``) and ``parallelize``'s arguments
+    ``info`` (``ParallelizeInfo``)."""
+    mesh = settings.mesh
+    devices = list(mesh.devices.flat)
+    description = {
+        "format": FORMAT,
+        "versions": _versions(),
+        "program": program_digest(graph, in_tree, out_tree),
+        "arguments": _sha(_text(tuple(signature)[1:])),  # [0] is the trace context: the graph
+        "mesh": {"axes": list(mesh.axis_names), "sizes": [int(n) for n in mesh.devices.shape],
+                 "devices": [int(d.id) for d in devices],
+                 "kinds": sorted({str(d.device_kind) for d in devices}),
+                 "platform": str(devices[0].platform)},
+        "mode": str(settings.mode.value), "search_mode": str(settings.search_mode),
+        "hardware": _text(settings.hardware), "algo": _text(settings.algo),
+        "dataset_strategy": _text(settings.dataset_strategy),
+        "strategies": _sha(_text((info.in_strategy, info.out_strategy,
+                                  None if info.parameter_plan is None
+                                  else sorted(info.parameter_plan.items()),
+                                  info.batch_argnums, info.static_argnums))),
+        "rules": _rules_digest(),
+    }
+    description = json.loads(json.dumps(description))  # as it reads back from the file
+    digest = _sha(json.dumps(description, sort_keys=True))
+    return CacheKey(digest, description)
+
+
+def load_cached(directory: str, key: CacheKey, graph: OpGraph, *, api: str
+                ) -> ShardingPlan | None:
+    """The plan stored under ``key``, or ``None`` (no entry, or one that cannot be used: then
+    with a warning)."""
+    path = key.path(directory)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (FileNotFoundError, NotADirectoryError):  # no entry (the write says why, if bad)
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        return _ignored(api, path, f"it cannot be read ({e})")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _ignored(api, path, f"it is not JSON ({e.msg} at line {e.lineno})")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        return _ignored(api, path, f"it is not a {FORMAT} entry (found {found!r})")
+    if data.get("key") != key.description:
+        return _ignored(api, path, "its key is not the key its name stands for")
+    try:
+        plan = plan_from_dict(data["plan"], source=f"plan cache entry {path!r}")
+    except (PlanError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        return _ignored(api, path, f"its plan is not well-formed ({type(e).__name__}: {e})")
+    differs = structure_mismatch(plan, graph)
+    if differs is not None:
+        return _ignored(api, path, f"its plan does not fit this program: {differs}")
+    return dataclasses.replace(plan, notes=plan.notes + (f"{HIT_NOTE} ({path}); not searched",))
+
+
+def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str) -> None:
+    """Writes ``plan`` under ``key``, atomically; a directory that cannot be written warns once
+    and the run goes on."""
+    text = json.dumps({"format": FORMAT, "key": key.description, "plan": plan_to_dict(plan)})
+    tmp = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key.digest}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, key.path(directory))
+        tmp = None
+    except OSError as e:
+        warn_once(f"plan-cache-write:{directory}",
+                  f"{api}: cannot write to the plan cache {directory!r} ({e}); plans are not "
+                  f"kept there. Make the directory writable, or set jaxpar.config.plan_cache_dir "
+                  f"to another one (or None).")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:
+    """A SHA-256 of the traced program: every node in order with its operands, result shapes
+    and dtypes, equation parameters, loop structure and source line; the trees of arguments and
+    results.  Equal for two traces of the same function on the same argument types, in any
+    process."""
+    h = hashlib.sha256()
+    h.update(_text((in_tree, out_tree, graph.order, graph.inputs, graph.outputs,
+                    graph.remats)).encode())
+    values = graph.values
+    types: dict[tuple[Any, Any], str] = {}  # printing a dtype is slow: once per (shape, dtype)
+
+    def typed(shape: Any, dtype: Any) -> str:
+        text = types.get((shape, dtype))
+        if text is None:
+            text = types[(shape, dtype)] = f"{shape}{dtype}"
+        return text
+
+    for node in graph.nodes:
+        ins = ",".join(str(o) if isinstance(o, int) else
+                       typed(o.shape, o.dtype) + _scalar(o) for o in node.inputs)
+        outs = ",".join(typed(values[v].shape, values[v].dtype) for v in node.outputs)
+        params = _params(node.eqn.params, control=node.structure is not None) \
+            if node.eqn is not None else ""
+        h.update(f"{node.kind}|{node.name}|{ins}|{outs}|{node.weight}|{node.region}|"
+                 f"{node.label}|{node.remat}|{node.crossing}|{node.structure}|{node.source}|"
+                 f"{params}\n".encode())
+    return h.hexdigest()
+
+
+def _scalar(c: Const) -> str:
+    """A literal operand's value when it is a scalar (arrays count by shape and dtype)."""
+    return f"={np.asarray(c.value).tolist()!r}" if not c.shape else ""
+
+
+def _params(params: Mapping[str, Any], *, control: bool) -> str:
+    """An equation's parameters as text.  A control node's bodies are graph nodes of their own,
+    so its jaxpr parameters are left out; functions are named by module and qualified name."""
+    parts = []
+    for name in sorted(params):
+        v = params[name]
+        if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            text = "<body>" if control else str(v)
+        elif callable(v) and hasattr(v, "__qualname__"):
+            text = f"{getattr(v, '__module__', '?')}.{v.__qualname__}"
+        elif isinstance(v, (set, frozenset)):  # in an order that does not depend on hashing
+            text = f"{{{', '.join(sorted(map(repr, v)))}}}"
+        else:
+            text = repr(v)
+        parts.append(f"{name}={text}")
+    return _ADDRESS.sub("", ";".join(parts))
+
+
+def _text(x: Any) -> str:
+    return _ADDRESS.sub("", repr(x))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    """jaxpar's version and a digest of its source (plans made by other code are not reused,
+    released or not), JAX's and jaxlib's versions."""
+    import jaxlib
+
+    import jaxpar
+
+    root = os.path.dirname(os.path.abspath(jaxpar.__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return {"jaxpar": jaxpar.__version__, "jaxpar_source": h.hexdigest(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+
+
+def _rules_digest() -> str:
+    """The registered operator rules, by primitive, function and category (a rule registered
+    by the user changes which strategies exist)."""
+    from jaxpar._src.rules.registry import _RULES
+
+    return _sha(";".join(f"{name}:{getattr(fn, '__module__', '?')}."
+                         f"{getattr(fn, '__qualname__', type(fn).__name__)}:{kind}"
+                         for name, (fn, kind) in sorted(_RULES.items())))
+
+
+def _ignored(api: str, path: str, why: str) -> ShardingPlan | None:
+    """No plan, with a warning saying why the entry at ``path`` is not used."""
+    warnings.warn(f"{api}: ignoring the plan cache entry {path!r}: {why}. Planning afresh; the "
+                  f"new plan replaces it.", JaxparWarning, stacklevel=4)
+    return None

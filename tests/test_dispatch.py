@@ -1,0 +1,105 @@
+"""The per-call fast path: a call like the last one goes straight to its jitted program, and
+every call that is not like it (shapes, weak types, static values, layouts, context) gets the
+plan made for it, as jax.jit would."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar._src.api import Parallelized
+
+
+@pytest.fixture
+def full_calls(monkeypatch):
+    """How many calls took the full path (planning, or finding the plan, in Python)."""
+    count = [0]
+    original = Parallelized._compiled
+
+    def counted(self, args):
+        count[0] += 1
+        return original(self, args)
+
+    monkeypatch.setattr(Parallelized, "_compiled", counted)
+    return count
+
+
+def _mlp(x, w):
+    return jnp.tanh(x @ w) * 2
+
+
+def test_a_call_like_the_last_skips_the_full_path(full_calls):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((2, 1), (1, 4)))
+    x, w = jnp.arange(64.0).reshape(8, 8) / 64, jnp.ones((8, 16)) / 8
+    want = jax.jit(_mlp)(x, w)
+    first = f(x, w)  # the full path: plan, compile, place
+    assert full_calls[0] == 1
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "mp")))
+    for _ in range(3):  # placed, and not placed (jit moves uncommitted arrays itself)
+        np.testing.assert_allclose(f(xs, ws), want, rtol=1e-6)
+        np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+    assert full_calls[0] == 1
+    planned = f.plan(x, w).output_layouts()["out"]
+    assert f(xs, ws).sharding.spec == first.sharding.spec == planned
+
+
+def test_calls_unlike_the_last_get_their_own_plan(full_calls):
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    f = jaxpar.parallelize(lambda x, s: x * s, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((8,), None))
+    x = jnp.ones((8,), jnp.bfloat16)
+    assert f(x, 1.5).dtype == jnp.bfloat16  # a weak scalar keeps bfloat16
+    assert f(x, jnp.float32(1.5)).dtype == jnp.float32  # a float32 scalar promotes
+    assert f(jnp.ones((16,), jnp.bfloat16), 1.5).shape == (16,)  # another shape
+    assert full_calls[0] == 3
+    with jax.enable_x64(True):  # another trace context: x64 arrays
+        assert f(np.ones(8, np.float64), 1.5).dtype == jnp.float64
+    assert full_calls[0] == 4
+    # An array committed to another layout is moved by the full path, not refused.
+    other = jax.device_put(jnp.arange(8.0), NamedSharding(jaxpar.make_mesh((2, 4), ("a", "b")),
+                                                          P(None)))
+    np.testing.assert_array_equal(f(other, 2.0), np.arange(8.0) * 2)
+    assert f(other, 2.0).sharding.spec == P("d")
+
+
+def test_static_arguments_and_the_context_are_part_of_the_key(full_calls):
+    g = jaxpar.parallelize(lambda x, n: x + jnp.full(x.shape, n), static_argnums=1,
+                           batch_argnums=0)
+    x = jnp.ones((8, 2))
+    with jaxpar.auto_parallel_context(parallel_mode="data_parallel"):
+        assert g(x, 1).dtype == jnp.float32 and g(x, True).dtype == jnp.float32
+        out = g(x, 2)
+        assert full_calls[0] == 3  # 1, True and 2 are three programs, as in jax.jit
+        np.testing.assert_array_equal(g(x, 2), np.full((8, 2), 3.0))
+        assert full_calls[0] == 3 and out.sharding.spec == P("devices")
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    with jaxpar.auto_parallel_context(parallel_mode="data_parallel", mesh=mesh):
+        y = g(x, 2)  # another context: another mesh
+    assert full_calls[0] == 4 and y.sharding.mesh.axis_names == ("dp", "mp")
+    with jaxpar.auto_parallel_context(parallel_mode="data_parallel", mesh=mesh):
+        g(x, 2)  # a new with-block of the same options is the same context
+    assert full_calls[0] == 4
+    jaxpar.set_algo_parameters(fully_use_devices=False)
+    try:
+        with jaxpar.auto_parallel_context(parallel_mode="data_parallel", mesh=mesh):
+            g(x, 2)
+        assert full_calls[0] == 5  # new algorithm parameters: the full path
+    finally:
+        jaxpar.reset_algo_parameters()
+
+
+def test_alternating_signatures_stay_right_and_back_off():
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    f = jaxpar.parallelize(lambda x: x * 3, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((8,),))
+    a, b = jnp.arange(8.0), jnp.arange(16.0)
+    for _ in range(12):
+        np.testing.assert_array_equal(f(a), np.arange(8.0) * 3)
+        np.testing.assert_array_equal(f(b), np.arange(16.0) * 3)
+    assert f._fast._misses >= 2  # it gave up, and now waits longer before trying again

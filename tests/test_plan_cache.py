@@ -1,0 +1,115 @@
+"""The persistent plan cache (jaxpar.config.plan_cache_dir): a hit skips the search and gives
+the same layouts and numbers; any change of the key misses; a bad entry warns and is replaced."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar._src import api
+from jaxpar._src.plan_cache import HIT_NOTE
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    before = jaxpar.config.plan_cache_dir
+    jaxpar.config.update("plan_cache_dir", str(tmp_path / "plans"))
+    yield tmp_path / "plans"
+    jaxpar.config.update("plan_cache_dir", before)
+
+
+@pytest.fixture
+def searches(monkeypatch):
+    """How many times a search ran."""
+    count = [0]
+    original = api.decide
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "decide", counted)
+    return count
+
+
+def _mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def _args(batch=16):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(k1, (batch, 32)), jax.random.normal(k2, (32, 64)) / 8,
+            jax.random.normal(k3, (64, 16)) / 8)
+
+
+def _auto(mesh, mode="auto_parallel"):
+    return jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode=mode, batch_argnums=0)
+
+
+def _specs(plan):
+    return [(d.in_specs, d.out_specs) for d in plan.decisions]
+
+
+def test_a_second_parallelize_of_the_same_program_skips_the_search(cache_dir, searches):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    first = _auto(mesh)
+    want = first(*args)
+    assert searches[0] == 1 and len(os.listdir(cache_dir)) == 1
+    again = _auto(mesh)  # a new function object, as in a second run of the script
+    got = again(*args)
+    assert searches[0] == 1  # the search did not run
+    plan = again.plan(*args)
+    assert plan.notes[-1].startswith(HIT_NOTE)
+    assert _specs(plan) == _specs(first.plan(*args))
+    assert plan.input_layouts() == first.plan(*args).input_layouts()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got, jax.jit(_mlp)(*args), rtol=1e-5, atol=1e-6)
+    assert not [n for n in os.listdir(cache_dir) if n.endswith(".tmp")]  # renamed into place
+
+
+def test_a_change_of_mesh_mode_or_shape_misses(cache_dir, searches):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    _auto(mesh).plan(*_args())
+    _auto(jaxpar.make_mesh((4, 2), ("dp", "mp"))).plan(*_args())  # other axis sizes
+    _auto(mesh, "data_parallel").plan(*_args())  # another mode
+    _auto(mesh).plan(*_args(batch=32))  # another shape
+    with jaxpar.auto_parallel_context(search_mode="dynamic_programming"):
+        _auto(mesh).plan(*_args())  # another search
+    _auto(mesh).plan(*_args())  # the first again: a hit
+    assert searches[0] == 5 and len(os.listdir(cache_dir)) == 5
+
+
+def test_a_corrupt_entry_warns_once_and_is_replaced(cache_dir, searches):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    want = _auto(mesh).plan(*_args())
+    (entry,) = cache_dir.iterdir()
+    entry.write_text(entry.read_text()[:1000])  # cut short, as by a crash before the rename
+    with pytest.warns(jaxpar.JaxparWarning, match="ignoring the plan cache entry.*not JSON"):
+        plan = _auto(mesh).plan(*_args())
+    assert searches[0] == 2 and _specs(plan) == _specs(want)
+    plan = _auto(mesh).plan(*_args())  # the new entry reads back, with no warning
+    assert searches[0] == 2 and plan.notes[-1].startswith(HIT_NOTE)
+
+
+def test_an_unwritable_cache_warns_and_the_run_goes_on(tmp_path, searches):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    before = jaxpar.config.plan_cache_dir
+    jaxpar.config.plan_cache_dir = str(blocked)
+    try:
+        with pytest.warns(jaxpar.JaxparWarning, match="cannot write to the plan cache"):
+            plan = _auto(jaxpar.make_mesh((2, 4), ("dp", "mp"))).plan(*_args())
+    finally:
+        jaxpar.config.plan_cache_dir = before
+    assert plan.decisions and searches[0] == 1
+
+
+def test_config_rejects_what_it_does_not_know():
+    with pytest.raises(jaxpar.ContextError, match="unknown option 'plan_dir'"):
+        jaxpar.config.update("plan_dir", "/tmp")
+    with pytest.raises(jaxpar.ContextError, match="plan_cache_dir must be a directory path"):
+        jaxpar.config.plan_cache_dir = 3
