@@ -35,6 +35,8 @@ from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.operator_shard import operator_pins
+from jaxpar._src.pipeline import tracing as pipeline_tracing
+from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_pins, pipeline_settings
 from jaxpar._src.plan import ShardingPlan, make_plan
 from jaxpar._src.planner import decide, load_strategies
 from jaxpar._src.report.context import remember
@@ -58,6 +60,7 @@ class Settings:
     ckpt_load: str  # strategy_ckpt_load_file
     ckpt_save: str  # strategy_ckpt_save_file
     dataset_strategy: str | tuple = "data_parallel"  # how batch arguments arrive
+    pipeline: Any = None  # PipelineSettings: stages, micro-batches, schedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,7 +82,8 @@ class Parallelized:
                  search_mode: str | None, in_strategy: Any, out_strategy: Any,
                  hardware: HardwareProfile | None, batch_argnums: Sequence[int] | int | None,
                  donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int,
-                 parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize"):
+                 parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize",
+                 micro_batches: int | None = None):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._mesh = mesh
@@ -95,6 +99,7 @@ class Parallelized:
         self._donate = _argnums(donate_argnums) or ()
         self._static = _argnums(static_argnums) or ()
         self._parameter_plan = parameter_plan
+        self._micro_batches = micro_batches
         self._api = f"{api}({getattr(fn, '__name__', 'fn')})"
         self._signature = _signature(fn)
         self._cache: dict[Any, Compiled] = {}
@@ -182,7 +187,8 @@ class Parallelized:
                 f"number of devices if you want the MindSpore sum.")
         return Settings(mode, search, mesh, hardware, algo_parameters(),
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
-                        ctx.dataset_strategy)
+                        ctx.dataset_strategy,
+                        pipeline_settings(ctx, self._micro_batches, self._api))
 
     def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
         """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
@@ -212,7 +218,9 @@ class Parallelized:
         t0 = time.perf_counter()
         names = self._arg_names(len(args))
         mesh = settings.mesh
-        with tracing_with(mesh):
+        with tracing_with(mesh), pipeline_tracing.pipelining(pipeline_tracing.Tracing(
+                settings.pipeline, mesh, settings.mode, settings.search_mode,
+                settings.hardware)):
             program = trace(self._fn, args, static_argnums=self._static, arg_names=names)
             batch = None
             if settings.mode is ParallelMode.DATA_PARALLEL or (
@@ -236,6 +244,7 @@ class Parallelized:
                          device_ids=[d.id for d in mesh.devices.flat],
                          parallel_mode=settings.mode.value, search_mode=decision.search_mode,
                          details=decision.details, report=decision.report)
+        plan = attach_pipeline(plan, program.graph)
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
@@ -318,6 +327,7 @@ class Parallelized:
                 pins.append(self._pin(space, nid, "in", spec, "out_strategy"))
         pins.extend(_constraint_pins(space, mshape, self._api))
         pins.extend(operator_pins(space, mshape))
+        pins.extend(pipeline_pins(space, mshape))
         if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
                 settings.dataset_strategy == "data_parallel":
             pins = self._data_parallel_default(args, program, space, in_shapes)
@@ -486,6 +496,7 @@ def parallelize(
     donate_argnums: Sequence[int] | int = (),
     static_argnums: Sequence[int] | int = (),
     parameter_plan: Mapping[str, Any] | None = None,
+    micro_batches: int | None = None,
 ) -> Parallelized:
     """Transforms single-device ``fn`` into a sharded, jit-compiled program.
 
@@ -514,6 +525,9 @@ def parallelize(
       static_argnums: arguments that are Python values, as in ``jax.jit``.
       parameter_plan: ``{name or glob: strategy}`` for arrays named by their path, such as
         ``{"params.w1": (1, 4)}`` or ``{"*.kernel": P(None, "mp")}``.
+      micro_batches: micro-batches per step for the :class:`jaxpar.PipelineCell` losses in
+        ``fn`` when the context has ``pipeline_stages > 1`` (default: the context's
+        ``micro_batches``, else the stage count).
 
     Returns:
       A :class:`Parallelized`: call it like ``fn``; ``.lower(*args)`` gives the
@@ -539,4 +553,5 @@ def parallelize(
     return Parallelized(fn, mesh=mesh, parallel_mode=parallel_mode, search_mode=search_mode,
                         in_strategy=in_strategy, out_strategy=out_strategy, hardware=hardware,
                         batch_argnums=batch_argnums, donate_argnums=donate_argnums,
-                        static_argnums=static_argnums, parameter_plan=parameter_plan)
+                        static_argnums=static_argnums, parameter_plan=parameter_plan,
+                        micro_batches=micro_batches)

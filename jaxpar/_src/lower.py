@@ -49,12 +49,12 @@ def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
 
 
 def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[int],
-                   env: dict) -> None:
+                   env: dict, *, constrain: bool = True) -> None:
     """Evaluates the top-level nodes ``seq`` of ``graph`` into ``env`` (value id -> array) with
     ``plan``'s constraints on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``): a piece of a
     program, such as one pipeline stage's layer inside ``shard_map`` (so the equations bind
     under the abstract mesh in force, not the one they were traced under)."""
-    evaluator = _Evaluator(graph, plan, mesh, True)
+    evaluator = _Evaluator(graph, plan, mesh, constrain)
     evaluator.here = True
     evaluator.eval_seq(seq, env)
 

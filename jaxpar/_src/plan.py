@@ -133,6 +133,9 @@ class ShardingPlan:
     objective_s: float | None = None  # the search's simulated seconds (auto_parallel)
     baseline_s: float | None = None  # pure data parallel's, under the same model
     optimal: bool | None = None  # proven optimal (search_mode="optimal")
+    # The pipeline the program runs (jaxpar.PipelineCell): split, schedule, timeline; not in
+    # the JSON form (a strategy file describes layouts).
+    pipeline: Any = dataclasses.field(default=None, compare=False)
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -263,6 +266,8 @@ class ShardingPlan:
             line += f"; pure data parallel: {_seconds(self.baseline_s)}"
         lines.append(line)
         lines.extend(f"note: {n}" for n in self.notes)
+        if self.pipeline is not None:
+            lines.append(self.pipeline.explain())
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -210,7 +210,8 @@ def _stack(program: PipelineProgram, per_layer: Sequence[Any]) -> Any:
     S, v, k = program.slot_layer.shape
     flat = [per_layer[layer] if layer >= 0 else zero
             for layer in program.slot_layer.reshape(-1).tolist()]
-    return jnp.stack(flat).reshape((S, v, k) + tuple(per_layer[0].shape))
+    # concatenate, not jnp.stack: every operator here needs a sharding rule in the step's plan
+    return jnp.concatenate([x[None] for x in flat]).reshape((S, v, k) + tuple(per_layer[0].shape))
 
 
 def _micro(x: Any, M: int) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 from jaxpar._src.compat import jaxpr_function_name, name_stack
 from jaxpar._src.errors import PlanError, warn_once
 from jaxpar._src.pipeline.loop import LOOP_NAME, LOOP_SCOPE
-from jaxpar._src.rules import register_rule, strategy_for_specs
+from jaxpar._src.rules import register_rule, specs_for
 from jaxpar._src.rules.factors import FactorRule, RuleBuilder
 from jaxpar._src.rules.registry import OpView, replicated_rule
 from jaxpar._src.search import Pin, SearchSpace
@@ -78,18 +78,43 @@ def pipeline_pins(space: SearchSpace, mesh: MeshShape) -> list[Pin]:
                             f"this process built; trace the step again.")
         backward = len(node.outputs) > 1
         ins, outs = loop_specs(program, backward=backward)
+        extra = len(node.inputs) - len(ins)  # constants the body closes over come first
+        ins = [Spec.replicated(len(space.graph.operand_shape(o)))
+               for o in node.inputs[:max(extra, 0)]] + ins
         if len(ins) != len(node.inputs) or len(outs) != len(node.outputs):
             raise PlanError(f"jaxpar: internal error: the pipeline loop at {node.source} has "
                             f"{len(node.inputs)} operands and {len(node.outputs)} results, "
                             f"expected {len(ins)} and {len(outs)}.")
-        specs = {("in", i): s for i, s in enumerate(ins)}
-        specs.update({("out", j): s for j, s in enumerate(outs)})
-        strategy = strategy_for_specs(space.rule(node.id), specs, mesh)
+        strategy = _opaque_strategy(space.rule(node.id), ins + outs, mesh)
         if strategy is None:
-            raise PlanError(f"jaxpar: internal error: the pipeline loop's layouts do not fit "
-                            f"mesh {mesh}.")
+            shapes = [space.graph.operand_shape(o) for o in node.inputs] + [
+                space.graph.values[v].shape for v in node.outputs]
+            raise PlanError(f"jaxpar: internal error: the pipeline loop's layouts "
+                            f"{[str(x) for x in ins + outs]} do not fit its shapes {shapes} "
+                            f"on mesh {mesh}.")
         pins.append(Pin(node.id, strategy, "pipeline"))
     return pins
+
+
+def _opaque_strategy(rule: FactorRule, specs: list[Spec], mesh: MeshShape) -> Any:
+    """The strategy giving every operand and result of an opaque operator its own layout.
+
+    A factor rule's strategies use each mesh axis for one factor (one loop nest); the loop's
+    operands are laid out independently (every stacked weight on ``"pp"``), so the strategy
+    is assembled from the layouts directly.  Its own cost is nil: the loop's work and
+    communication are priced by the pipeline's timeline, not by the step's plan."""
+    tensors = list(rule.operands) + list(rule.results)
+    axes: list[tuple[str, ...]] = [()] * len(rule.sizes)
+    for tensor, spec in zip(tensors, specs, strict=True):
+        if len(tensor) != spec.ndim:
+            return None
+        for dim, dim_axes in zip(tensor, spec.dims, strict=True):
+            if not dim_axes:
+                continue
+            if len(dim) != 1 or rule.sizes[dim[0]] % mesh.product(dim_axes):
+                return None
+            axes[dim[0]] = tuple(dim_axes)
+    return specs_for(rule, axes)
 
 
 def programs_in(graph: Any) -> list[Any]:
@@ -102,3 +127,35 @@ def programs_in(graph: Any) -> list[Any]:
             if program is not None and program not in out:
                 out.append(program)
     return out
+
+
+def pipeline_settings(ctx: Any, micro_batches: int | None, where: str) -> Any:
+    """The pipeline part of a ``parallelize``'s settings: the context's stages and
+    ``pipeline_config``, its micro-batch count unless ``micro_batches`` is given."""
+    from jaxpar._src.pipeline.config import PipelineConfig, check_micro_batches
+    from jaxpar._src.pipeline.tracing import PipelineSettings
+
+    given = micro_batches is not None or ctx.micro_batches is not None
+    if micro_batches is not None:
+        micro_batches = check_micro_batches(micro_batches, where)
+    config = PipelineConfig.from_options(
+        ctx.pipeline_stages, dict(ctx.pipeline_config),
+        micro_batches=micro_batches if micro_batches is not None else ctx.micro_batches,
+        where=where)
+    return PipelineSettings(config, given)
+
+
+def attach_pipeline(plan: Any, graph: Any) -> Any:
+    """``plan`` with the :class:`PipelinePlan` of the pipeline its program runs, if any."""
+    import dataclasses
+
+    from jaxpar._src.pipeline.report import PipelinePlan
+
+    programs = programs_in(graph)
+    if not programs:
+        return plan
+    notes = plan.notes
+    if len(programs) > 1:
+        notes += (f"{len(programs)} pipelines run in this step; plan.pipeline describes the "
+                  f"first",)
+    return dataclasses.replace(plan, pipeline=PipelinePlan.of(programs[0]), notes=notes)

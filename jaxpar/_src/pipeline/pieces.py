@@ -68,8 +68,10 @@ class Pieces:
 
     # -- the pieces ------------------------------------------------------------------------
     def weight_work(self, env: dict) -> None:
-        """Runs the weight work into ``env`` (function inputs by value id)."""
-        self._run(self.p.layers.weight_nodes, env)
+        """Runs the weight work into ``env`` (function inputs by value id), unconstrained:
+        it runs in the enclosing step, whose own plan lays it out."""
+        evaluate_nodes(self.graph, self.plan, self.mesh(), self.p.layers.weight_nodes, env,
+                       constrain=False)
 
     def prologue(self, rest: Sequence[Any], batch: Sequence[Any]) -> list[Any]:
         """One micro-batch's carried values entering the first layer."""

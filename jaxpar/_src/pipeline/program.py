@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, OpGraph
@@ -219,8 +219,11 @@ def _plan(fn: Callable, args: list[Any], batch_argnums: tuple[int, ...], mesh: M
     from jaxpar._src.api import parallelize
     from jaxpar._src.context import ParallelMode, auto_parallel_context
 
-    with auto_parallel_context(pipeline_stages=1, dataset_strategy="data_parallel",
-                               strategy_ckpt_load_file="", strategy_ckpt_save_file=""):
+    # A separate trace of a separate function: JAX refuses a smaller abstract mesh on top of the
+    # enclosing step's, so clear it first (the step's own trace is untouched).
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())), auto_parallel_context(
+            pipeline_stages=1, dataset_strategy="data_parallel", strategy_ckpt_load_file="",
+            strategy_ckpt_save_file=""):
         if mode is ParallelMode.AUTO_PARALLEL:
             params = tuple(i for i in range(len(args)) if i not in batch_argnums)
             train = parallelize(jax.value_and_grad(fn, argnums=params), mesh=mesh,

@@ -7,8 +7,8 @@ last the epilogue and its backward (head and loss).  The split minimises that ma
 the cost model (the plan's FLOPs at the profile's FLOP rate plus its collectives, per
 micro-batch), by dynamic programming over contiguous partitions (Alpa's stage DP, here with the
 lock-step objective), under the memory budget: the weights are stacked with as many slots as the
-largest chunk, so a per-device memory estimate bounds ``max k``.  Among equally fast splits the
-one with the fewest slots (least memory) wins.
+largest chunk, so a per-device memory estimate bounds ``max k``.  Among splits within 2% of the
+fastest, the one with the fewest slots (least memory) wins.
 
 >>> s = choose_split(8, stages=2, repeats=1, layer_s=1.0, prologue_s=0.1, epilogue_s=7.0)
 >>> s.counts  # head and loss, forward and backward, cost more than two layers: one layer moves
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 BACKWARD_FACTOR = 2.0  # a layer's backward costs about twice its forward (two matmuls per one)
+SLACK = 0.02  # splits within 2% of the fastest count as equally fast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +117,26 @@ def choose_split(layers: int, *, stages: int, repeats: int, layer_s: float,
         raise ValueError(f"{layers} layers cannot fill {C} chunks")
     even = -(-layers // C)
     cap = max(even, min(max_slots or layers, layers - C + 1))
+    fastest = _partition(layers, C, cap, layer_s, prologue_s, epilogue_s)[0]
+    # Costs are estimates: among splits within SLACK of the fastest, the fewest slots win
+    # (stacked weights and residuals grow with the largest chunk).
+    for k in range(even, cap + 1):
+        worst, counts = _partition(layers, C, k, layer_s, prologue_s, epilogue_s)
+        if worst <= fastest * (1.0 + SLACK) + 1e-30:
+            break
+    base = [layers // C + (1 if c < layers % C else 0) for c in range(C)]
+    even_cost = max(_chunk_cost(k, c, C, layer_s, prologue_s, epilogue_s)
+                    for c, k in enumerate(base))
+    return StageSplit(tuple(counts), stages, layer_s, prologue_s, epilogue_s, layer_bytes,
+                      residual_bytes, "balanced", even_cost, fits)
+
+
+def _partition(layers: int, C: int, cap: int, layer_s: float, prologue_s: float,
+               epilogue_s: float) -> tuple[float, list[int]]:
+    """The contiguous split of ``layers`` into ``C`` chunks of at most ``cap`` layers whose
+    slowest chunk is fastest: ``(its cost, counts)``; ties go to the most even split."""
     inf = float("inf")
-    # best[c][i]: (slowest chunk, most slots) over splits of the first i layers into c chunks
-    best = [[(inf, inf)] * (layers + 1) for _ in range(C + 1)]
+    best = [[(inf, inf)] * (layers + 1) for _ in range(C + 1)]  # (slowest, spread)
     choice = [[0] * (layers + 1) for _ in range(C + 1)]
     best[0][0] = (0.0, 0)
     for c in range(1, C + 1):
@@ -129,28 +147,15 @@ def choose_split(layers: int, *, stages: int, repeats: int, layer_s: float,
                     continue
                 cost = _chunk_cost(k, c - 1, C, layer_s, prologue_s, epilogue_s)
                 cand = (max(prev[0], cost), max(prev[1], k))
-                if _better(cand, best[c][i]):
+                if cand < best[c][i]:
                     best[c][i], choice[c][i] = cand, k
     counts = []
     i = layers
     for c in range(C, 0, -1):
-        k = choice[c][i]
-        counts.append(k)
-        i -= k
+        counts.append(choice[c][i])
+        i -= choice[c][i]
     counts.reverse()
-    base = [layers // C + (1 if c < layers % C else 0) for c in range(C)]
-    even_cost = max(_chunk_cost(k, c, C, layer_s, prologue_s, epilogue_s)
-                    for c, k in enumerate(base))
-    return StageSplit(tuple(counts), stages, layer_s, prologue_s, epilogue_s, layer_bytes,
-                      residual_bytes, "balanced", even_cost, fits)
-
-
-def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Faster by more than rounding, or as fast with fewer slots."""
-    tol = 1e-9 * max(abs(a[0]), abs(b[0]), 1e-30)
-    if a[0] < b[0] - tol:
-        return True
-    return abs(a[0] - b[0]) <= tol and a[1] < b[1]
+    return best[C][layers][0], counts
 
 
 def marked_split(regions: int, *, stages: int, layer_s: float, prologue_s: float,
