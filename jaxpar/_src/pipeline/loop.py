@@ -385,30 +385,68 @@ def _probe(pieces: Pieces, res: _Residuals, weights: list, active: Any, carried0
         else:
             kinds.append(("store", -1))
             stored.append(out.aval)
-            specs.append(_sharding_spec(producers.get(out)))
+            producer = producers.get(out)
+            specs.append(_sharding_spec(producer, list(producer.outvars).index(out))
+                         if producer is not None else None)
     res.kinds, res.stored, res.specs = kinds, stored, specs
 
 
 def _taint(jaxpr: Any, tainted: set) -> set:
-    """Variables of ``jaxpr`` that depend on ``tainted`` (conservatively, through any
-    equation, nested ones included as a whole)."""
+    """Variables of ``jaxpr`` that depend on ``tainted``: through a ``scan`` output by output
+    (a layer stack's weight-only residuals stay clean), through other nested equations as a
+    whole."""
     dirty = set(tainted)
     for eqn in jaxpr.eqns:
-        if any(not _is_literal(v) and v in dirty for v in eqn.invars):
+        ins = [not _is_literal(v) and v in dirty for v in eqn.invars]
+        if not any(ins):
+            continue
+        if eqn.primitive.name == "scan":
+            dirty.update(v for v, d in zip(eqn.outvars, _scan_taint(eqn, ins), strict=True)
+                         if d)
+        else:
             dirty.update(eqn.outvars)
     return dirty
+
+
+def _scan_taint(eqn: Any, ins: list[bool]) -> list[bool]:
+    """Which outputs of a scan depend on its tainted operands (carries to a fixed point)."""
+    from jaxpar._src.compat import scan_counts
+
+    body = eqn.params["jaxpr"].jaxpr
+    nc, nk = scan_counts(eqn.params)
+    flags = list(ins)
+    while True:
+        inner = _taint(body, {v for v, d in zip(body.invars, flags, strict=True) if d})
+        outs = [not _is_literal(v) and v in inner for v in body.outvars]
+        grown = [f or (nc <= i < nc + nk and outs[i - nc]) for i, f in enumerate(flags)]
+        if grown == flags:
+            return outs
+        flags = grown
 
 
 def _is_literal(v: Any) -> bool:
     return type(v).__name__ == "Literal"
 
 
-def _sharding_spec(eqn: Any) -> Spec | None:
-    """The layout a residual was constrained to where it was made, if it was."""
-    if eqn is None or eqn.primitive.name != "sharding_constraint":
+def _sharding_spec(eqn: Any, index: int = 0) -> Spec | None:
+    """The layout a residual was constrained to where it was made, if it was (a scan's
+    stacked output: its body's layout under a leading unsplit dimension)."""
+    if eqn is None:
         return None
-    sharding = eqn.params["sharding"]
-    spec = getattr(sharding, "spec", None)
+    if eqn.primitive.name == "scan":
+        from jaxpar._src.compat import scan_counts
+
+        body = eqn.params["jaxpr"].jaxpr
+        if index < scan_counts(eqn.params)[1]:
+            return None  # a carry: not stacked
+        out = body.outvars[index]
+        producer = next((e for e in body.eqns if out in e.outvars), None)
+        inner = _sharding_spec(producer, list(producer.outvars).index(out)) if producer \
+            else None
+        return None if inner is None else Spec(((),) + inner.dims)
+    if eqn.primitive.name != "sharding_constraint":
+        return None
+    spec = getattr(eqn.params["sharding"], "spec", None)
     if spec is None:
         return None
     return Spec.from_partition_spec(spec, len(eqn.outvars[0].aval.shape))
