@@ -29,16 +29,18 @@ chromium:  ## Install Chromium (apt, as root) when it is missing; the report tes
 	  { echo "installing chromium (report tests)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: $(STAMP) chromium  ## Run the whole suite: lint, unit tests, doctests, examples and notebooks.
+test: $(STAMP) chromium  ## Run the whole suite: lint, types, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
 	$(MAKE) --no-print-directory notebooks
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
-lint: $(STAMP)  ## Static checks (ruff).
+lint: $(STAMP)  ## Static checks: ruff, and mypy for types (configured in pyproject.toml).
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmake.
 	mkdir -p build/notebooks
@@ -47,7 +49,12 @@ notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmak
 	done
 	$(PY) -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 build/notebooks
 
-bench: $(STAMP)  ## Measure plans and jaxpar's own time; writes bench/results/*.json and *.md.
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet --no-deps "keras-hub>=0.32,<0.33"  # see pyproject's bench extra
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench  ## Measure plans, the zoo and the clock; writes bench/results/*.json and *.md.
 	$(PY) bench/run.py
 
 clean:  ## Remove the environment and build outputs.

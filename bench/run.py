@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Six groups of tables, all in one run:
+itself costs.  Seven groups of tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -11,14 +11,17 @@ itself costs.  Six groups of tables, all in one run:
    for H100 nodes, the simulated step time of the automatic plan beside pure data parallel,
    Megatron tensor parallel and data x tensor parallel written by hand;
 4. **search speed**: search time against depth (6, 12, 24, 48 layers) per search mode;
-5. **plan reports**: size and build time of the HTML report of 2- and 24-layer GPTs, and how
+5. **a mesh of three axes**: every search's time and plan on a (2, 2, 2) mesh.
+6. **plan reports**: size and build time of the HTML report of 2- and 24-layer GPTs, and how
    many compiled collectives it traced to their cause;
-6. **checkpoints** (``bench/checkpoint.py``): bytes read and peak RSS of distributed loads by
+7. **checkpoints** (``bench/checkpoint.py``): bytes read and peak RSS of distributed loads by
    1 and 4 processes against the checkpoint's size, and ``infer_predict_layout`` beside XLA's
    compile.
 
-Wall-clock step time of 8 emulated CPU devices is not reported: it does not rank strategies.
-Results go to ``bench/results/results.json`` and ``bench/results/results.md``.
+Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
+measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
+prediction against the clock: ``clock.json``/``clock.md``, the profile in ``hw.json``) and
+``bench/zoo_bench.py`` (models written by others: ``zoo.json``/``zoo.md``).
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ def gap_rows() -> list[dict]:
     mesh4 = jaxpar.make_mesh((4,), ("x",))
     mesh24 = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     bytes_only = jaxpar.HardwareProfile(preset="h100", intra_node_latency=0.0,
-                                        inter_node_latency=0.0)
+                                        inter_node_latency=0.0, collective_latency=0.0)
     two_links = jaxpar.HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9, "mp": 300e9})
     suite = {
         "mlp 6x256, batch 32": (*am.flax_mlp_adam(32, 256), mesh4, bytes_only),
@@ -307,7 +310,45 @@ def speed_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-# -- 5. plan reports ------------------------------------------------------------------------------
+# -- 5. a mesh of three axes -----------------------------------------------------------------------
+def mesh3_rows() -> list[dict]:
+    """Every search on a (2, 2, 2) mesh, where operators have 27 to 125 candidates and the
+    exact searches' integer programs would have hundreds of thousands of variables."""
+    from tests import auto_models as am
+
+    mesh = jaxpar.make_mesh((2, 2, 2), ("a", "b", "c"))
+    rows = []
+    for name, (step, args) in {"scan + cumprod (4 layers)": am.scan_cumprod(),
+                               "transformer layer": am.transformer_block(batch=8, seq=8,
+                                                                         d=32, ff=64)}.items():
+        row = {"case": name}
+        for mode in MODES:
+            p = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   search_mode=mode)
+            entry = p.compiled_entry(*args)
+            row["ops"] = entry.program.graph.count("op")
+            row[mode] = entry.timings["search"]
+            row[mode + "_objective"] = entry.plan.objective_s
+            row[mode + "_notes"] = list(entry.plan.notes)
+        rows.append(row)
+        print("mesh3", row, flush=True)
+    return rows
+
+
+def mesh3_table(rows: list[dict]) -> list[str]:
+    lines = ["## A mesh of three axes", "",
+             "Search seconds (building the cost graph, searching, assembling the plan) and the "
+             "plan's simulated step time on mesh (2, 2, 2), CPU profile.", "",
+             "| case | ops | recursive s | dynamic prog. s | optimal s | recursive | "
+             "dynamic prog. | optimal |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['ops']} | "
+            + " | ".join(f"{r[m]:.2f}" for m in MODES) + " | "
+            + " | ".join(f"{r[m + '_objective'] * 1e6:.1f} us" for m in MODES) + " |")
+
+
+# -- 6. plan reports ------------------------------------------------------------------------------
 def report_rows(quick: bool) -> list[dict]:
     """The HTML report of GPT train steps: its size, how long it takes to build (the compiled
     program given; wall and CPU seconds), and how many compiled collectives it traced to a plan
@@ -369,6 +410,7 @@ def main() -> None:
     import checkpoint  # bench/checkpoint.py: distributed loads, infer_predict_layout
 
     ckpt = checkpoint.main(["--quick"] if args.quick else [])
+    mesh3 = mesh3_rows()
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
             platform.python_version(), "machine": platform.machine(),
@@ -376,17 +418,21 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds, "reports": reports, **ckpt}, f, indent=1)
+                   "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt}, f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
     for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
-                  speed_table(speeds), report_table(reports),
+                  speed_table(speeds), mesh3_table(mesh3), report_table(reports),
                   checkpoint.load_table(ckpt["checkpoint_loads"]),
                   checkpoint.infer_table(ckpt["infer"])):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
+    from bench import clock, zoo, zoo_bench  # the measurement sections (issue 9)
+
+    clock.run(args.quick, args.out)
+    zoo_bench.run(zoo.NAMES, args.quick, args.out, os.path.join(args.out, "hw.json"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from jaxpar._src.amp.loss_scale import all_finite as all_finite
 from jaxpar._src.amp.precision import auto_mixed_precision as auto_mixed_precision
 from jaxpar._src.api import Parallelized as Parallelized
 from jaxpar._src.api import parallelize as parallelize
+from jaxpar._src.calibrate import calibrate as calibrate
 from jaxpar._src.checkpoint.infer import infer_predict_layout as infer_predict_layout
 from jaxpar._src.checkpoint.layouts import ArrayLayout as ArrayLayout
 from jaxpar._src.checkpoint.layouts import ParameterLayouts as ParameterLayouts
@@ -47,6 +48,7 @@ from jaxpar._src.execution import PYNATIVE_MODE as PYNATIVE_MODE
 from jaxpar._src.execution import get_context as get_context
 from jaxpar._src.execution import set_context as set_context
 from jaxpar._src.hardware import HardwareProfile as HardwareProfile
+from jaxpar._src.hardware import calibration_path as calibration_path
 from jaxpar._src.launch.comm import get_group_size as get_group_size
 from jaxpar._src.launch.comm import get_local_rank as get_local_rank
 from jaxpar._src.launch.comm import get_rank as get_rank
@@ -65,6 +67,8 @@ from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
 from jaxpar._src.ps.context import set_ps_context as set_ps_context
 from jaxpar._src.report.build import Report as Report
 from jaxpar._src.report.diff import PlanDiff as PlanDiff
+from jaxpar._src.rules import OpCategory as OpCategory
+from jaxpar._src.rules import OpView as OpView
 from jaxpar._src.rules import register_rule as register_rule
 from jaxpar._src.rules.factors import FactorRule as FactorRule
 from jaxpar._src.rules.factors import RuleBuilder as RuleBuilder
@@ -96,10 +100,12 @@ __all__ = [
     "Callback", "CallbackParams", "CheckpointConfig", "ContextError", "DatasetError",
     "DistributedGradReducer", "DynamicLossScaleManager", "FactorRule", "FixedLossScaleManager",
     "GRAPH_MODE", "HardwareProfile", "JaxparError", "JaxparWarning", "Layout", "LossMonitor",
-    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpDecision", "PSError",
+    "LossScaleState", "MeshError", "Model", "ModelCheckpoint", "OpCategory", "OpDecision",
+    "OpView", "PSError",
     "PYNATIVE_MODE", "ParallelMode", "Parallelized", "PerReplica", "PlanError", "ProgressBar",
     "RuleBuilder", "RunContext", "ShardingPlan", "StrategyError", "TimeMonitor", "all_finite",
-    "auto_mixed_precision", "auto_parallel_context", "dataset", "get_algo_parameters",
+    "auto_mixed_precision", "auto_parallel_context", "calibrate", "calibration_path", "dataset",
+    "get_algo_parameters",
     "get_auto_parallel_context", "get_context", "get_group_size", "get_local_rank",
     "get_ps_context", "get_rank", "get_seed", "init", "inspect", "load_checkpoint", "make_mesh",
     "metrics", "parallelize", "parameter_broadcast", "per_replica", "ps", "random_key",

@@ -84,3 +84,86 @@ def wide_mlp(batch=2048, d=512, h=2048):
         return jnp.mean(jnp.tanh(jax.nn.relu(x @ p["w1"]) @ p["w2"]) ** 2)
 
     return sgd_step(loss), (params, x)
+
+
+def scan_cumprod_loss(params, x):
+    """A scan over layers of [batch, seq, d] activations, then a ``cumprod`` along the
+    sequence, a head and a ``cond``: on a mesh of three axes every operator has 27 to 125
+    candidates and the exact searches' integer programs grow past a million variables."""
+    def layer(h, p):
+        w, b = p
+        h = jnp.tanh(jnp.einsum("bsd,de->bse", h, w) + b)
+        return h, jnp.sum(h, axis=1)
+
+    h, sums = jax.lax.scan(layer, x, (params["w"], params["b"]))
+    c = jnp.cumprod(1 + 0.01 * h, axis=1)
+    h2 = jax.nn.relu(jnp.einsum("bsd,de->bse", c, params["head"]))
+    h3 = jax.lax.cond(jnp.sum(h2) > 0, lambda a: a * 2, lambda a: a - 1, h2)
+    return jnp.mean(h3 ** 2) + 0.01 * jnp.sum(sums ** 2)
+
+
+def scan_cumprod(layers: int = 4, batch: int = 8, seq: int = 16, d: int = 32):
+    """:func:`scan_cumprod_loss` as an SGD step: ``(step, (params, x))`` (171 operators)."""
+    k = jax.random.split(jax.random.key(5), 3)
+    params = {"w": jax.random.normal(k[0], (layers, d, d)) / d ** 0.5,
+              "b": jnp.zeros((layers, d)),
+              "head": jax.random.normal(k[1], (d, d)) / d ** 0.5}
+    x = jax.random.normal(k[2], (batch, seq, d))
+    return sgd_step(scan_cumprod_loss), (params, x)
+
+
+def bert_layer(p, x, heads):
+    """One post-LN BERT layer (Alpa's ``FlaxBertLayer``: attention, dense + LayerNorm, an MLP
+    four times as wide, dense + LayerNorm), with separate query, key and value kernels."""
+    b, t, d = x.shape
+
+    def dense(h, name):
+        return h @ p[name]["kernel"] + p[name]["bias"]
+
+    def norm(h, name):
+        mu = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, axis=-1, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(var + 1e-12) * p[name]["scale"] + p[name]["bias"]
+
+    q, k, v = (dense(x, n).reshape(b, t, heads, d // heads) for n in ("query", "key", "value"))
+    att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // heads) ** 0.5, axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
+    x = norm(x + dense(o, "attention_out"), "attention_norm")
+    y = dense(jax.nn.gelu(dense(x, "intermediate")), "output")
+    return norm(x + y, "output_norm")
+
+
+def bert_stack(layers: int = 2, batch: int = 8, seq: int = 8, hidden: int = 128,
+               heads: int = 8):
+    """Alpa's ``test_bert_layer_*`` train step: ``layers`` BERT layers, a squared-error loss
+    against a label, Adam: ``(train_step, (params, opt_state, x, label))``."""
+    keys = iter(jax.random.split(jax.random.key(5), 8 * layers + 2))
+
+    def dense(n_in, n_out):
+        return {"kernel": jax.random.normal(next(keys), (n_in, n_out)) / n_in ** 0.5,
+                "bias": jnp.zeros((n_out,))}
+
+    def norm():
+        return {"scale": jnp.ones((hidden,)), "bias": jnp.zeros((hidden,))}
+
+    params = [{"query": dense(hidden, hidden), "key": dense(hidden, hidden),
+               "value": dense(hidden, hidden), "attention_out": dense(hidden, hidden),
+               "attention_norm": norm(), "intermediate": dense(hidden, 4 * hidden),
+               "output": dense(4 * hidden, hidden), "output_norm": norm()}
+              for _ in range(layers)]
+    tx = optax.adam(1e-2)
+
+    def train_step(params, opt_state, x, label):
+        def loss_fn(ps):
+            h = x
+            for p in ps:
+                h = bert_layer(p, h, heads)
+            return jnp.mean((h - label) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x = jax.random.normal(next(keys), (batch, seq, hidden))
+    label = jax.random.normal(next(keys), (batch, seq, hidden))
+    return train_step, (params, tx.init(params), x, label)

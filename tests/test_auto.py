@@ -1,10 +1,8 @@
-"""auto_parallel: known answers, the fast searches against the exact one, pins, memory,
-strategy checkpoints, explanations and predicted collectives.
+"""auto_parallel: the fast searches against the exact one, pins, memory, strategy checkpoints,
+explanations and predicted collectives (the known answers are in ``test_known_answers.py``).
 
-Known answers are priced with a bandwidth-bound profile (``h100`` links without latency): these
-test models are tiny, and with real latencies a handful of microseconds per collective dominates
-every choice (replicating a 32x32 MLP beats any parallel plan).  The textbook comparisons are by
-bytes moved, which is what this profile ranks.
+Most cases are priced with the ``cpu`` profile, the machine the tests compile for, on which the
+6-layer MLP with 256-wide weights and a 32-row batch is a Megatron plan.
 """
 
 import jax
@@ -18,8 +16,9 @@ from tests import auto_models as am
 from tests.util import assert_tree_close
 
 MODES = ("recursive_programming", "dynamic_programming", "optimal")
+CPU = jaxpar.HardwareProfile()
 BYTES_ONLY = jaxpar.HardwareProfile(preset="h100", intra_node_latency=0.0,
-                                    inter_node_latency=0.0)
+                                    inter_node_latency=0.0, collective_latency=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def mesh4():
     return jaxpar.make_mesh((4,), ("x",))
 
 
-def _auto(fn, mesh, mode, hw=BYTES_ONLY, **kw):
+def _auto(fn, mesh, mode, hw=CPU, **kw):
     return jaxpar.parallelize(fn, mesh=mesh, parallel_mode="auto_parallel", search_mode=mode,
                               hardware=hw, **kw)
 
@@ -35,53 +34,6 @@ def _auto(fn, mesh, mode, hw=BYTES_ONLY, **kw):
 def _kernels(plan):
     return [spec for name, spec in plan.input_layouts().items()
             if name.startswith("params.") and name.endswith("kernel.value")]
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_small_batch_wide_mlp_is_megatron_with_five_all_reduces(mode, mesh4):
-    step, args = am.flax_mlp_adam(batch=32, hidden=256)
-    f = _auto(step, mesh4, mode)
-    plan = f.plan(*args)
-    assert _kernels(plan) == [P(None, "x"), P("x")] * 3  # column, row, column, row, ...
-    colls = jaxpar.inspect.collectives(f.lower(*args))
-    assert colls.count("all-reduce") == 5, colls.table()  # 3 forward, 2 backward; no gradient
-    assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-3, atol=1e-5)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_large_batch_narrow_mlp_is_pure_data_parallel(mode, mesh4):
-    step, args = am.flax_mlp_adam(batch=256, hidden=32)
-    f = _auto(step, mesh4, mode)
-    plan = f.plan(*args)
-    layouts = plan.input_layouts()
-    assert all(spec == P() for name, spec in layouts.items() if name.startswith("params."))
-    assert layouts["x"] == P("x") and layouts["y"] == P("x")
-    colls = jaxpar.inspect.collectives(f.lower(*args))
-    assert colls.count() == 1 and colls[0].kind == "all-reduce", colls.table()
-    assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-3, atol=1e-5)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_transformer_layer_is_megatron(mode, mesh4):
-    step, args = am.transformer_block()
-    plan = _auto(step, mesh4, mode).plan(*args)
-    layouts = plan.input_layouts()
-    for name in ("wq", "wk", "wv", "w1"):
-        assert layouts[f"params.{name}"] == P(None, "x"), name
-    for name in ("wo", "w2"):
-        assert layouts[f"params.{name}"] == P("x"), name
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_conv_net_is_data_parallel(mode, mesh4):
-    step, args = am.convnet()
-    f = _auto(step, mesh4, mode)
-    layouts = f.plan(*args).input_layouts()
-    assert all(spec == P() for name, spec in layouts.items() if name.startswith("params."))
-    assert layouts["arg1"] == P("x")
-    colls = jaxpar.inspect.collectives(f.lower(*args))
-    assert [c.kind for c in colls] == ["all-reduce"]
-    assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -115,11 +67,11 @@ def _suite():
     mesh24 = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     two_links = jaxpar.HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9, "mp": 300e9})
     return {
-        "mlp-megatron": (*am.flax_mlp_adam(32, 256), mesh4, BYTES_ONLY),
-        "mlp-dp": (*am.flax_mlp_adam(256, 32), mesh4, BYTES_ONLY),
-        "block": (*am.transformer_block(), mesh4, BYTES_ONLY),
+        "mlp-megatron": (*am.flax_mlp_adam(32, 256), mesh4, CPU),
+        "mlp-dp": (*am.flax_mlp_adam(256, 32), mesh4, CPU),
+        "block": (*am.transformer_block(), mesh4, CPU),
         "convnet": (*am.convnet(), mesh4, jaxpar.HardwareProfile(preset="h100")),
-        "embedding": (*am.embedding_head(), mesh4, BYTES_ONLY),
+        "embedding": (*am.embedding_head(), mesh4, CPU),
         "block-2d": (*am.transformer_block(batch=8, seq=32), mesh24, two_links),
         "mlp-2d": (*am.wide_mlp(), mesh24, two_links),
     }
@@ -237,7 +189,7 @@ def test_scan_layer_stack_is_searched_consistently():
 def test_meshes_need_not_be_powers_of_two(mode):
     mesh = jaxpar.make_mesh((2, 3), ("dp", "mp"))  # six of the eight devices
     step, args = am.transformer_block(batch=6, seq=12, d=96, heads=6, ff=192)
-    f = _auto(step, mesh, mode)
+    f = _auto(step, mesh, mode, hw=BYTES_ONLY)
     plan = f.plan(*args)
     used = {a for spec in plan.input_layouts().values() for e in spec if e
             for a in ((e,) if isinstance(e, str) else e)}

@@ -95,6 +95,15 @@ def test_batch_inference_asks_for_batch_argnums_when_it_cannot_tell(mesh):
         f(jnp.ones((16, 4)), jnp.ones((32, 16)))
 
 
+def test_batch_inference_does_not_take_weights_for_the_batch(mesh):
+    # mlp's result has x's shape, so x looks like threaded state and w1, w2 like the batch; their
+    # leading sizes differ, so they cannot be one: ask rather than split the weights' rows
+    f = jaxpar.parallelize(lambda x, w1, w2: jnp.maximum(x @ w1, 0) @ w2, mesh=mesh,
+                           parallel_mode="data_parallel")
+    with pytest.raises(jaxpar.PlanError, match=r"leading sizes 32, 64.*batch_argnums=\(0,\)"):
+        f(jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
+
+
 def test_batch_must_divide_over_devices(mesh):
     f = jaxpar.parallelize(lambda w, x: jnp.sum(x @ w), mesh=mesh, parallel_mode="data_parallel",
                            batch_argnums=1)

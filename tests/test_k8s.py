@@ -97,6 +97,8 @@ C = [*W, "template", "spec", "containers", 0]
     (_set([*C, "env"], [{"name": "1BAD", "value": "x"}]), "'1BAD' is not a valid environment"),
     (_set([*C, "ports"], [{"containerPort": 70000}]), "containerPort 70000 is not in 1-65535"),
     (_set(["spec", "runPolicy", "cleanPodPolicy"], "Some"), "cleanPodPolicy: 'Some'"),
+    (_set([*C, "resources"], {"limits": {"cpu": "-3"}}), "cpu='-3' is not a positive Kubernetes"),
+    (_set([*C, "resources"], {"requests": {"memory": "lots"}}), "memory='lots' is not a positive"),
     (lambda m: m["spec"].pop("jaxReplicaSpecs"), "'jaxReplicaSpecs' is a required property"),
 ])
 def test_broken_manifests_are_rejected(change, message):
@@ -151,3 +153,10 @@ def test_command_refuses_what_the_cluster_would(capsys):
     with pytest.raises(SystemExit):
         main(["k8s", "--name", "d", "--image", "img", "--workers", "2"])  # no command
     assert "give the pods' command after --" in capsys.readouterr().err
+    assert main(["k8s", "--name", "d", "--image", "img", "--workers", "2", "--cpu", "-3", "--",
+                 *CMD]) == 2
+    assert "cpu='-3' is not a positive Kubernetes quantity" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["k8s", "--name", "d", "--image", "img", "--workers", "2",
+              "--devices-per-worker", "0", "--", *CMD])
+    assert "--devices-per-worker must be at least 1" in capsys.readouterr().err

@@ -185,21 +185,40 @@ def test_killing_one_rank_stops_the_others(tmp_path):
     _assert_all_gone(tmp_path)
 
 
-def test_a_crashing_rank_is_named_at_once(tmp_path):
+@pytest.mark.parametrize("how, status, line", [
+    ("JAXPAR_TEST_FAIL_RANK", 1, "RuntimeError: injected failure on rank 1"),
+    ("JAXPAR_TEST_EXIT_RANK", 3, "rank 1 exits with status 3"),  # sys.exit(3), no exception
+])
+def test_a_failing_rank_is_named_at_once(tmp_path, how, status, line):
     start = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "jaxpar", "run", "-n", "2", "--devices-per-process", "4",
          "--log-dir", "logs", str(MP / "train.py"), "unused.npz"],
-        env=_env(JAXPAR_TEST_FAIL_RANK="1"), cwd=tmp_path, capture_output=True, text=True,
+        env=_env(**{how: "1"}), cwd=tmp_path, capture_output=True, text=True,
         timeout=180)
     took = time.monotonic() - start
-    assert run.returncode == 1
+    assert run.returncode == status
     # rank 1 does not wait in JAX's shutdown barrier for rank 0, which waits for rank 1
-    assert "rank 1 failed (exit status 1)" in run.stderr, run.stderr[-3000:]
-    assert "RuntimeError: injected failure on rank 1" in run.stderr  # the tail of its log
+    assert f"rank 1 failed (exit status {status})" in run.stderr, run.stderr[-3000:]
+    assert line in run.stderr  # the tail of its log
     assert took < 60, took  # rank 0 alone would give up on rank 1 only after minutes
     assert (tmp_path / "logs" / "worker_0.log").exists()
     assert (tmp_path / "logs" / "worker_1.log").exists()
+
+
+def test_rank_runner_runs_the_script_as_python_would(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import sys, os\n"
+                      "print(__name__, sys.argv, sys.path[0] == os.path.dirname(__file__))\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    for code in (0, 3):
+        run = subprocess.run(list(launcher.script_command(str(script), [str(code)])),
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == code
+        assert run.stdout == f"__main__ [{str(script)!r}, '{code}'] True\n"
+    run = subprocess.run(list(launcher.script_command(str(script), ["x"])),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "ValueError" in run.stderr
 
 
 def test_timeout_stops_everything(tmp_path):
@@ -312,10 +331,11 @@ def test_cluster_env_errors(environ, message):
 
 
 def test_script_command():
-    assert launcher.script_command("t.py", ["--x", "1"]) == (sys.executable, "-u", "t.py", "--x",
-                                                              "1")
-    assert launcher.script_command("-m", ["pkg.mod", "a"]) == (sys.executable, "-m", "pkg.mod",
-                                                                "a")
+    runner = launcher.RANK_MAIN
+    assert launcher.script_command("t.py", ["--x", "1"]) == (sys.executable, "-u", runner, "t.py",
+                                                              "--x", "1")
+    assert launcher.script_command("-m", ["pkg.mod", "a"]) == (sys.executable, "-u", runner, "-m",
+                                                                "pkg.mod", "a")
 
 
 def test_single_process_init_is_a_no_op():

@@ -229,6 +229,30 @@ def test_marked_stages_pipeline_and_an_undifferentiated_loss_runs_forwards_only(
     np.testing.assert_allclose(value, loss(w, x), rtol=1e-6)
 
 
+def test_layers_holding_a_scan_pipeline_too():
+    def loss(w, x):  # each layer is a loop (its nodes nest in the scan's region)
+        for i in range(4):
+            wi = w[i]
+
+            def body(h, _, wi=wi):
+                return jnp.tanh(h @ wi), None
+
+            x, _ = jax.lax.scan(body, x, None, length=2)
+        return jnp.mean(x ** 2)
+
+    _, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss, bubble_fill=NAN)),
+                                  micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        assert step.plan(w, x).pipeline.layers == 4
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gpt_train_step_on_dp_tp_pp_with_model_train():
     gpt, cfg, _, _, _ = _gpt(4)
     import optax

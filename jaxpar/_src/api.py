@@ -2,45 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from jaxpar._src import pins as pinlib
+from jaxpar._src.arguments import parallelize_info
+from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import (
-    SEARCH_MODES,
     AlgoParameters,
     ParallelMode,
     algo_parameters,
     current_context,
 )
 from jaxpar._src.cost import CostModel
-from jaxpar._src.data_parallel import (
-    arrival_specs,
-    batch_specs,
-    dataset_specs,
-    infer_batch_argnums,
-)
+from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
-from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.hardware import HardwareProfile, resolve_hardware
 from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
-from jaxpar._src.operator_shard import operator_pins
+from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
-from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_pins, pipeline_settings
-from jaxpar._src.plan import ShardingPlan, make_plan
-from jaxpar._src.planner import decide, load_strategies
+from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.plan_files import check_save_path
+from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.report.context import remember
-from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
 from jaxpar._src.state import state_ties
@@ -76,57 +71,56 @@ class Compiled:
 
 
 class Parallelized:
-    """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it."""
+    """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> f = jaxpar.parallelize(lambda x: jnp.tanh(x) * 2, mesh=jaxpar.make_mesh((8,), ("d",)),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((8, 1),))
+    >>> x = jnp.ones((16, 4))
+    >>> f(x).shape, f.plan(x).input_layouts() == {"x": P("d")}
+    ((16, 4), True)
+    >>> len(jaxpar.inspect.collectives(f.lower(x)))  # rows apart: nothing to communicate
+    0
+    """
 
     def __init__(self, fn: Callable, *, mesh: Mesh | None, parallel_mode: Any,
                  search_mode: str | None, in_strategy: Any, out_strategy: Any,
-                 hardware: HardwareProfile | None, batch_argnums: Sequence[int] | int | None,
+                 hardware: HardwareProfile | str | None, batch_argnums: Sequence[int] | int | None,
                  donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int,
                  parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize",
                  micro_batches: int | None = None):
         functools.update_wrapper(self, fn)
-        self._fn = fn
-        self._mesh = mesh
-        self._mode = None if parallel_mode is None else _mode(parallel_mode)
-        if search_mode is not None and search_mode not in SEARCH_MODES:
-            raise ContextError(f"{api}: search_mode {search_mode!r} is not one of "
-                               f"{list(SEARCH_MODES)}.")
-        self._search_mode = search_mode
-        self._in_strategy = in_strategy
-        self._out_strategy = out_strategy
-        self._hardware = hardware
-        self._batch_argnums = _argnums(batch_argnums)
-        self._donate = _argnums(donate_argnums) or ()
-        self._static = _argnums(static_argnums) or ()
-        self._parameter_plan = parameter_plan
-        self._micro_batches = micro_batches
-        self._api = f"{api}({getattr(fn, '__name__', 'fn')})"
-        self._signature = _signature(fn)
+        self._info = parallelize_info(
+            fn, mesh=mesh, parallel_mode=parallel_mode, search_mode=search_mode,
+            in_strategy=in_strategy, out_strategy=out_strategy, hardware=hardware,
+            batch_argnums=batch_argnums, donate_argnums=donate_argnums,
+            static_argnums=static_argnums, parameter_plan=parameter_plan, api=api,
+            micro_batches=micro_batches)
         self._cache: dict[Any, Compiled] = {}
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
-        if mesh is not None:
-            check_auto_axes(mesh, self._api)
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._bind(args, kwargs)
+        info = self._info
+        args = info.bind(args, kwargs)
         entry = self._compiled(args)
         full = self._placed(args, entry)
         if pynative():  # eager, op by op, on the arguments placed as the plan says
-            with jax.disable_jit():
-                return self._fn(*full)
+            with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
+                return info.fn(*full)
         return entry.jitted(*full)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
-        args = self._bind(args, kwargs)
+        args = self._info.bind(args, kwargs)
         entry = self._compiled(args)
         with paused_gc():
             return entry.jitted.lower(*self._placed(args, entry))
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
-        return self._compiled(self._bind(args, kwargs)).plan
+        return self._compiled(self._info.bind(args, kwargs)).plan
 
     def report(self, *args: Any, path: str | None = None, other: ShardingPlan | None = None,
                title: str | None = None) -> Any:
@@ -138,75 +132,79 @@ class Parallelized:
         entry = self._compiled(args)
         compiled = self.lower(*args).compile()
         return build_report(entry.plan, compiled=compiled, graph=entry.program.graph,
-                            other=other, title=title or f"jaxpar plan of {self._api}",
+                            other=other, title=title or f"jaxpar plan of {self._info.api}",
                             path=path)
 
     def compiled_entry(self, *args: Any, **kwargs: Any) -> Compiled:
         """The traced program, plan, settings and timings for these arguments."""
-        return self._compiled(self._bind(args, kwargs))
+        return self._compiled(self._info.bind(args, kwargs))
 
     # -- internals ----------------------------------------------------------------------------
     def _placed(self, args: tuple, entry: Compiled) -> list:
         """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
         e.g. batches on another mesh, are resharded)."""
-        dyn = [a for i, a in enumerate(args) if i not in self._static]
+        static = self._info.static_argnums
+        dyn = [a for i, a in enumerate(args) if i not in static]
         leaves, tree = jax.tree.flatten(dyn)
         placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
         it = iter(jax.tree.unflatten(tree, placed))
-        return [a if i in self._static else next(it) for i, a in enumerate(args)]
-
-    def _bind(self, args: tuple, kwargs: dict) -> tuple:
-        if not kwargs:
-            return args
-        if self._signature is None:
-            raise TypeError(f"{self._api}: pass arguments positionally.")
-        bound = self._signature.bind(*args, **kwargs)
-        if bound.kwargs:
-            raise TypeError(f"{self._api}: keyword-only arguments {sorted(bound.kwargs)} are not "
-                            f"supported; make them positional.")
-        return tuple(bound.args)
+        return [a if i in static else next(it) for i, a in enumerate(args)]
 
     def _settings(self, args: tuple) -> Settings:
         ctx = current_context()
-        mode = self._mode if self._mode is not None else ctx.parallel_mode
-        search = self._search_mode or ctx.search_mode
-        hardware = self._hardware or ctx.hardware or HardwareProfile()
+        info = self._info
+        mode = info.mode if info.mode is not None else ctx.parallel_mode
+        search = info.search_mode or ctx.search_mode
+        mesh: Mesh | None
         if mode is ParallelMode.STAND_ALONE:
             mesh = single_device_mesh()
         else:
-            mesh = self._mesh or ctx.mesh or self._strategy_mesh(ctx, mode, args)
+            mesh = info.mesh or ctx.mesh or self._strategy_mesh(ctx, mode, args)
             if mesh is None:
                 n = ctx.device_num or len(jax.devices())
                 mesh = make_mesh((n,), ("devices",))
-        check_auto_axes(mesh, self._api)
-        if mode is ParallelMode.DATA_PARALLEL and not ctx.gradients_mean:
+        check_auto_axes(mesh, info.api)
+        hardware = resolve_hardware(info.hardware or ctx.hardware, mesh)
+        if mode is not ParallelMode.STAND_ALONE and not ctx.gradients_mean:
             raise ContextError(
-                f"{self._api}: gradients_mean=False asks for the sum of per-device gradients, "
+                f"{info.api}: gradients_mean=False asks for the sum of per-device gradients, "
                 f"but a JAX program sees the global batch: its gradients are the device mean "
                 f"(gradients_mean=True), which XLA all-reduces for you. Scale the loss by the "
                 f"number of devices if you want the MindSpore sum.")
         return Settings(mode, search, mesh, hardware, algo_parameters(),
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
                         ctx.dataset_strategy,
-                        pipeline_settings(ctx, self._micro_batches, self._api))
+                        pipeline_settings(ctx, info.micro_batches, info.api))
 
     def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
         """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
         program, the nested ``jaxpar.shard``s first (see ``implicit_mesh.py``)."""
+        info = self._info
         n = ctx.device_num or len(jax.devices())
-        key = (_signature_key(args, self._static), n, mode, ctx.dataset_strategy)
+        key = (call_key(args, info.static_argnums, api=info.api,
+                        names=info.arg_names(len(args))), n, mode, ctx.dataset_strategy)
         if key not in self._implicit:
-            found = outer_requests(in_strategy=self._in_strategy, out_strategy=self._out_strategy,
-                                   parameter_plan=self._parameter_plan,
-                                   dataset_strategy=ctx.dataset_strategy, api=self._api)
+            found = outer_requests(in_strategy=info.in_strategy, out_strategy=info.out_strategy,
+                                   parameter_plan=info.parameter_plan,
+                                   dataset_strategy=ctx.dataset_strategy, api=info.api)
             if mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
-                found = discover(self._fn, args, self._static) + found
+                found = discover(info.fn, args, info.static_argnums) + found
             self._implicit[key] = implicit_mesh(found, n)
         return self._implicit[key]
 
+    def _trace_mesh(self, settings: Settings) -> Mesh:
+        """The mesh a bare ``PartitionSpec`` in the function refers to: the plan's (in
+        ``stand_alone``, the mesh the function would otherwise run on, if any: its sharding
+        constraints are then only checked, not applied)."""
+        if settings.mode is ParallelMode.STAND_ALONE:
+            return self._info.mesh or current_context().mesh or settings.mesh
+        return settings.mesh
+
     def _compiled(self, args: tuple) -> Compiled:
         settings = self._settings(args)
-        key = (_signature_key(args, self._static), settings)
+        info = self._info
+        key = (call_key(args, info.static_argnums, api=info.api,
+                        names=info.arg_names(len(args))), settings)
         entry = self._cache.get(key)
         if entry is None:
             with paused_gc():
@@ -215,31 +213,50 @@ class Parallelized:
         return entry
 
     def _build(self, args: tuple, settings: Settings) -> Compiled:
+        info = self._info
         t0 = time.perf_counter()
-        names = self._arg_names(len(args))
+        if settings.ckpt_save:  # before planning, not after it
+            check_save_path(settings.ckpt_save, f"{info.api}: strategy_ckpt_save_file")
+        names = info.arg_names(len(args))
         mesh = settings.mesh
-        with tracing_with(mesh), pipeline_tracing.pipelining(pipeline_tracing.Tracing(
-                settings.pipeline, mesh, settings.mode, settings.search_mode,
-                settings.hardware)):
-            program = trace(self._fn, args, static_argnums=self._static, arg_names=names)
+        trace_mesh = self._trace_mesh(settings)
+        pipelining = pipeline_tracing.pipelining(pipeline_tracing.Tracing(
+            settings.pipeline, mesh, settings.mode, settings.search_mode, settings.hardware))
+        with tracing_with(mesh), _mesh_context(trace_mesh, abstract=True), pipelining:
+            try:
+                program = trace(info.fn, args, static_argnums=info.static_argnums,
+                                arg_names=names)
+            except ValueError as e:
+                if "is not found in mesh" not in str(e):  # JAX's words for an unknown axis
+                    raise
+                raise StrategyError(
+                    f"{info.api}: a sharding constraint in the function names a mesh axis "
+                    f"the plan's mesh {MeshShape.of(trace_mesh)} does not have ({e}). A bare "
+                    f"PartitionSpec refers to the plan's mesh: use its axis names, or pass "
+                    f"mesh=... with the axes the function uses.") from e
             batch = None
             if settings.mode is ParallelMode.DATA_PARALLEL or (
                     settings.mode is not ParallelMode.STAND_ALONE
                     and settings.dataset_strategy != "data_parallel"):
                 batch = self._batch(args, program, names)
         t1 = time.perf_counter()
+        settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
-        pins = self._pins(args, program, mesh, space, settings, batch)
-        ties = state_ties(program, args, self._static)
+        pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
+                           dataset_strategy=settings.dataset_strategy, batch=batch)
+        if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
+                settings.dataset_strategy == "data_parallel":
+            pins = self._data_parallel_default(args, program, space, names)
+        ties = state_ties(program, args, info.static_argnums)
         if settings.ckpt_load:
-            decision = load_strategies(settings.ckpt_load, space, api=self._api)
+            decision = load_strategies(settings.ckpt_load, space, api=info.api)
         else:
             decision = decide(space, pins, ties, mode=settings.mode,
                               search_mode=settings.search_mode,
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
-                              api=self._api)
+                              api=info.api)
         plan = make_plan(program.graph, decision.assignment, space,
                          device_ids=[d.id for d in mesh.devices.flat],
                          parallel_mode=settings.mode.value, search_mode=decision.search_mode,
@@ -255,106 +272,26 @@ class Parallelized:
         return Compiled(program, plan, settings, jitted, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1})
 
-    def _arg_names(self, n: int) -> list[str]:
-        names = list(self._signature.parameters) if self._signature is not None else []
-        names = [p for p in names if self._signature.parameters[p].kind in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
-
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
-        if self._batch_argnums is not None:
-            return self._batch_argnums
-        return infer_batch_argnums(args, program.out_shapes, self._static, names, api=self._api)
-
-    def _pins(self, args: tuple, program: TracedProgram, mesh: Mesh, space: SearchSpace,
-              settings: Settings, batch: tuple[int, ...] | None) -> list[Pin]:
-        graph = program.graph
-        mshape = MeshShape.of(mesh)
-        in_shapes = [graph.values[graph.nodes[n].outputs[0]].shape for n in graph.inputs]
-        in_dtypes = [graph.values[graph.nodes[n].outputs[0]].dtype for n in graph.inputs]
-        pins: list[Pin] = []
-        if settings.mode is ParallelMode.STAND_ALONE:
-            return pins
-        if settings.mode is ParallelMode.DATA_PARALLEL:
-            specs = batch_specs(program, batch, mshape, in_shapes, api=self._api)
-            for nid, spec in zip(graph.inputs, specs, strict=True):
-                pins.append(self._pin(space, nid, "out", spec, "data_parallel"))
-        if isinstance(settings.dataset_strategy, tuple):
-            tiles = dataset_specs(program, batch, settings.dataset_strategy, mesh, in_shapes,
-                                  in_dtypes, api=self._api)
-            by_node = {p.node: k for k, p in enumerate(pins)}
-            for nid, spec in zip(graph.inputs, tiles, strict=True):
-                if spec is None:
-                    continue
-                pin = self._pin(space, nid, "out", spec, "dataset_strategy")
-                if nid in by_node:
-                    pins[by_node[nid]] = pin
-                else:
-                    pins.append(pin)
-        dyn_args = [a for i, a in enumerate(args) if i not in self._static]
-        dyn_names = [n for i, n in enumerate(self._arg_names(len(args))) if i not in self._static]
-        leaf_names = [name for _, name in pinlib.leaf_names(dyn_args, dyn_names)]
-        raw = pinlib.argument_strategies(self._in_strategy, dyn_args, dyn_names, api=self._api)
-        by_name = pinlib.parameter_plan_strategies(self._parameter_plan, leaf_names,
-                                                   api=self._api)
-        raw = pinlib.merge(raw, by_name, leaf_names, api=self._api)
-        wheres = [f"{self._api}: strategy of argument '{nm}'" for nm in leaf_names]
-        specs = pinlib.normalize_all(raw, in_shapes, in_dtypes, mesh, wheres)
-        pinned_inputs = {p.node for p in pins}
-        for nid, spec in zip(graph.inputs, specs, strict=True):
-            if spec is None:
-                continue
-            if nid in pinned_inputs and settings.mode is ParallelMode.DATA_PARALLEL:
-                raise StrategyError(
-                    f"{self._api}: in data_parallel mode the layouts of the arguments are "
-                    f"fixed by the mode; drop in_strategy/parameter_plan or use "
-                    f"parallel_mode='semi_auto_parallel'.")
-            if nid in pinned_inputs:
-                raise StrategyError(
-                    f"{self._api}: argument leaf '{leaf_names[graph.inputs.index(nid)]}' has "
-                    f"its layout from dataset_strategy and from in_strategy/parameter_plan; "
-                    f"give it one.")
-            pins.append(self._pin(space, nid, "out", spec, "in_strategy"))
-        out_raw = pinlib.output_strategies(self._out_strategy, program.out_shapes, api=self._api)
-        out_nodes = graph.outputs
-        out_shapes = [graph.operand_shape(graph.nodes[n].inputs[0]) for n in out_nodes]
-        out_dtypes = [graph.operand_dtype(graph.nodes[n].inputs[0]) for n in out_nodes]
-        out_specs = pinlib.normalize_all(
-            out_raw, out_shapes, out_dtypes, mesh,
-            [f"{self._api}: out_strategy for {p}" for p in program.out_paths])
-        for nid, spec in zip(out_nodes, out_specs, strict=True):
-            if spec is not None:
-                pins.append(self._pin(space, nid, "in", spec, "out_strategy"))
-        pins.extend(_constraint_pins(space, mshape, self._api))
-        pins.extend(operator_pins(space, mshape))
-        pins.extend(pipeline_pins(space, mshape))
-        if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
-                settings.dataset_strategy == "data_parallel":
-            pins = self._data_parallel_default(args, program, space, in_shapes)
-        return pins
+        info = self._info
+        if info.batch_argnums is not None:
+            return info.batch_argnums
+        return infer_batch_argnums(args, program.out_shapes, info.static_argnums, names,
+                                   api=info.api)
 
     def _data_parallel_default(self, args: tuple, program: TracedProgram, space: SearchSpace,
-                               in_shapes: list) -> list[Pin]:
+                               names: list[str]) -> list[Pin]:
         """MindSpore's semi-automatic default where nothing is configured: the batch arrives
         split over every device (``dataset_strategy="data_parallel"``); the rest propagates."""
         try:
-            batch = self._batch(args, program, self._arg_names(len(args)))
+            batch = self._batch(args, program, names)
         except PlanError as e:
             raise PlanError(
-                f"{self._api}: semi_auto_parallel needs at least one fixed strategy to "
+                f"{self._info.api}: semi_auto_parallel needs at least one fixed strategy to "
                 f"propagate from, and none is given. Like MindSpore it then splits the batch "
                 f"over every device (dataset_strategy='data_parallel'), but: {e} Or give a "
                 f"strategy (in_strategy, jaxpar.shard).") from None
-        specs = batch_specs(program, batch, space.model.mesh, in_shapes, api=self._api)
-        return [self._pin(space, nid, "out", spec, "data_parallel")
-                for nid, spec in zip(program.graph.inputs, specs, strict=True)
-                if not spec.is_replicated]
-
-    def _pin(self, space: SearchSpace, nid: int, side: str, spec: Spec, origin: str) -> Pin:
-        strategy = strategy_for_specs(space.rule(nid), {(side, 0): spec}, space.model.mesh)
-        if strategy is None:  # normalisation checked divisibility; this is a jaxpar bug
-            raise PlanError(f"{self._api}: internal error pinning node {nid} to {spec}.")
-        return Pin(nid, strategy, origin)
+        return batch_pins(program, space, batch, api=self._info.api)
 
     def _baseline_pins(self, args: tuple, program: TracedProgram, space: SearchSpace,
                        settings: Settings, pins: list[Pin], names: list[str]
@@ -364,20 +301,14 @@ class Parallelized:
             return None
         try:
             batch = self._batch(args, program, names)
-            specs = batch_specs(program, batch, space.model.mesh, [
-                program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                for n in program.graph.inputs], api=self._api)
+            return baseline_pins(program, space, batch, pins, api=self._info.api)
         except (PlanError, StrategyError):
             return None
-        pinned = {p.node for p in pins}
-        base = [self._pin(space, nid, "out", spec, "data_parallel")
-                for nid, spec in zip(program.graph.inputs, specs, strict=True)
-                if nid not in pinned]
-        return base + list(pins)
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
              settings: Settings, arrivals: Sequence[Spec | None]
              ) -> tuple[Any, tuple[Any, ...]]:
+        info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
         run = make_evaluator(graph, plan, mesh, constrain=constrain)
@@ -388,7 +319,7 @@ class Parallelized:
                  enumerate(zip(plan.input_specs, arrivals, strict=True))
                  if a is not None and a != s}
         flat_out = [named_sharding(mesh, s) for s in plan.output_specs]
-        static = set(self._static)
+        static = set(info.static_argnums)
         in_tree, out_tree = program.in_tree, program.out_tree
 
         def wrapped(*args: Any) -> Any:
@@ -399,77 +330,25 @@ class Parallelized:
             outs = run(*leaves)
             return jax.tree.unflatten(out_tree, outs)
 
-        wrapped.__name__ = getattr(self._fn, "__name__", "parallelized")
+        wrapped.__name__ = getattr(info.fn, "__name__", "parallelized")
         in_shardings = tuple(jax.tree.unflatten(in_tree, flat_in))
         out_shardings = jax.tree.unflatten(out_tree, flat_out)
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
-                         static_argnums=tuple(self._static), donate_argnums=tuple(self._donate))
+                         static_argnums=info.static_argnums, donate_argnums=info.donate_argnums)
         return jitted, flat_in
 
 
-def _constraint_pins(space: SearchSpace, mesh: MeshShape, api: str) -> list[Pin]:
-    """``with_sharding_constraint`` in the user's function (or from ``jaxpar.shard``) pins."""
-    pins = []
-    graph = space.graph
-    for node in graph.nodes:
-        if node.kind != "op" or node.name != "sharding_constraint":
-            continue
-        sharding = node.eqn.params["sharding"]
-        smesh = getattr(sharding, "mesh", None)
-        if smesh is None or MeshShape.of(smesh) != mesh:
-            raise StrategyError(
-                f"{api}: the sharding constraint at {node.source} uses mesh "
-                f"{MeshShape.of(smesh) if smesh is not None else sharding}, but the program runs "
-                f"on mesh {mesh}. Build its NamedSharding on the same mesh, or use "
-                f"jaxpar.shard inside the function.")
-        if node.eqn.params.get("unconstrained_dims"):
-            continue
-        spec = Spec.from_partition_spec(sharding.spec, len(graph.values[node.outputs[0]].shape))
-        strategy = strategy_for_specs(space.rule(node.id), {("in", 0): spec, ("out", 0): spec},
-                                      mesh)
-        if strategy is not None:
-            pins.append(Pin(node.id, strategy, "shard"))
-    return pins
-
-
-def _mode(mode: Any) -> ParallelMode:
-    try:
-        return ParallelMode(str(mode.value if isinstance(mode, ParallelMode) else mode))
-    except ValueError:
-        raise ContextError(f"jaxpar: parallel_mode {mode!r} is not one of "
-                           f"{[m.value for m in ParallelMode]}.") from None
-
-
-def _argnums(x: Sequence[int] | int | None) -> tuple[int, ...] | None:
-    if x is None:
-        return None
-    return (x,) if isinstance(x, int) else tuple(x)
-
-
-def _signature(fn: Callable) -> inspect.Signature | None:
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-
-
-def _signature_key(args: tuple, static: Sequence[int]) -> Any:
-    parts = []
-    for i, a in enumerate(args):
-        if i in static:
-            parts.append(("static", a))
-            continue
-        leaves, tree = jax.tree.flatten(a)
-        parts.append((tree, tuple(_aval_key(x) for x in leaves)))
-    return tuple(parts)
-
-
-def _aval_key(x: Any) -> Any:
-    shape = tuple(getattr(x, "shape", ()))
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        dtype = jax.numpy.asarray(x).dtype
-    return shape, str(dtype), bool(getattr(x, "weak_type", False))
+@contextlib.contextmanager
+def _mesh_context(mesh: Mesh, *, abstract: bool = False) -> Iterator[None]:
+    """``mesh`` as JAX's context mesh: ``with_sharding_constraint(x, P(...))`` in the user's
+    function then needs no ``jax.set_mesh`` of its own.  Tracing needs only the abstract mesh;
+    eager execution (PyNative) the devices too."""
+    if abstract:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    else:
+        with jax.set_mesh(mesh):
+            yield
 
 
 def _place(x: Any, sharding: Any) -> Any:
@@ -491,7 +370,7 @@ def parallelize(
     search_mode: str | None = None,
     in_strategy: Any = None,
     out_strategy: Any = None,
-    hardware: HardwareProfile | None = None,
+    hardware: HardwareProfile | str | None = None,
     batch_argnums: Sequence[int] | int | None = None,
     donate_argnums: Sequence[int] | int = (),
     static_argnums: Sequence[int] | int = (),
@@ -517,8 +396,10 @@ def parallelize(
       in_strategy: one strategy per positional argument (a slice-count tuple, ``PartitionSpec``,
         ``jaxpar.Layout`` or ``None`` = free), or a tree of them matching the argument.
       out_strategy: strategies for the result, in the same forms.
-      hardware: the :class:`HardwareProfile` the cost model prices; default: the context's, else
-        the CPU preset.
+      hardware: the :class:`HardwareProfile` the cost model prices, a preset name, or
+        ``"calibrated"`` (what :func:`jaxpar.calibrate` measured on these devices and this mesh,
+        cached on disk; see :func:`jaxpar.calibration_path`); default: the context's, else the
+        CPU preset.
       batch_argnums: arguments that carry the global batch (``data_parallel``); inferred when
         omitted: arguments that come back as results are state, the others data.
       donate_argnums: arguments whose buffers may be reused, as in ``jax.jit``.

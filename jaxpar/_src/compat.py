@@ -16,10 +16,17 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
+_siu: Any
+_trace_context: Any
 try:  # JAX 0.4.30+ keeps this module at the same path through 0.11.
     from jax._src import source_info_util as _siu
 except ImportError:  # pragma: no cover - a future JAX that moved it
     _siu = None
+
+try:  # what jax.jit adds to its cache key (here in JAX 0.10; a fallback below)
+    from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover
+    _trace_context = None
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,6 +103,20 @@ def name_stack(eqn: jcore.JaxprEqn) -> str:
         return ""
 
 
+def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
+    """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
+    first: one line of a helper called from several places (a ``dense`` function, a Flax
+    layer) stands for different operators, its callers tell them apart."""
+    if _siu is None:
+        return ()
+    try:
+        frames = list(_siu.user_frames(eqn.source_info.traceback))
+    except Exception:  # noqa: BLE001 - a missing location must never break planning
+        return ()
+    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
+    return tuple((f.file_name, f.start_line) for f in (own or frames))
+
+
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
                   params: dict[str, Any] | None = None, *, here: bool = False) -> list[Any]:
     """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list.
@@ -119,7 +140,7 @@ def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
 def _eqn_context(eqn: jcore.JaxprEqn, here: bool = False) -> Iterator[None]:
     ctx = getattr(eqn, "ctx", None)
     manager = getattr(ctx, "manager", None) if ctx is not None else None
-    user_ctx = contextlib.nullcontext()
+    user_ctx: Any = contextlib.nullcontext()
     if _siu is not None and hasattr(_siu, "user_context"):
         name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
         user_ctx = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
@@ -127,6 +148,17 @@ def _eqn_context(eqn: jcore.JaxprEqn, here: bool = False) -> Iterator[None]:
         manager = None
     with manager if manager is not None else contextlib.nullcontext(), user_ctx:
         yield
+
+
+def trace_context() -> Any:
+    """A hashable value of the configuration a trace depends on, as ``jax.jit`` keys on it
+    (``jax_enable_x64``, default matmul precision, dtype promotion, the mesh of
+    ``jax.set_mesh``, ...)."""
+    if _trace_context is None:  # pragma: no cover - a JAX that moved it: what matters most
+        return tuple(getattr(jax.config, name, None) for name in (
+            "jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",
+            "jax_numpy_rank_promotion", "jax_default_prng_impl"))
+    return _trace_context()
 
 
 def is_tracer(x: Any) -> bool:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxpar._src.errors import ContextError
 from jaxpar._src.fusion import CommFusion, check_split_indices
 from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.search import search_modes
 
 
 class ParallelMode(enum.StrEnum):
@@ -35,7 +36,6 @@ class ParallelMode(enum.StrEnum):
     AUTO_PARALLEL = "auto_parallel"  # searched with search_mode
 
 
-SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming", "optimal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +93,9 @@ def _validate(key: str, value: Any) -> Any:
                 f"jaxpar: parallel_mode {value!r} is not one of "
                 f"{[m.value for m in ParallelMode]}.") from None
     if key == "search_mode":
-        if value not in SEARCH_MODES:
+        if value not in search_modes():  # the registered modes (search/registry.py)
             raise ContextError(
-                f"jaxpar: search_mode {value!r} is not one of {list(SEARCH_MODES)}.")
+                f"jaxpar: search_mode {value!r} is not one of {list(search_modes())}.")
         return value
     if key == "device_num" and value is not None:
         if not isinstance(value, int) or value < 1:
@@ -110,9 +110,11 @@ def _validate(key: str, value: Any) -> Any:
     if key in ("strategy_ckpt_save_file", "strategy_ckpt_load_file") and \
             not isinstance(value, (str, os.PathLike)):
         raise ContextError(f"jaxpar: {key} must be a path, got {value!r}.")
-    if key == "hardware" and value is not None and not isinstance(value, HardwareProfile):
+    if key == "hardware" and value is not None and not isinstance(value, HardwareProfile) \
+            and value != "calibrated" and value not in HardwareProfile.PRESETS:
         raise ContextError(
-            f"jaxpar: hardware must be a jaxpar.HardwareProfile, got {value!r}.")
+            f"jaxpar: hardware must be a jaxpar.HardwareProfile, a preset name or "
+            f"'calibrated', got {value!r}.")
     if key == "dataset_strategy":
         return check_dataset_strategy(value)
     if key == "all_reduce_fusion_config":
@@ -177,7 +179,12 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 
 def get_auto_parallel_context(attr_key: str) -> Any:
-    """One option's current value; raises ``ContextError`` for an unknown key."""
+    """One option's current value; raises ``ContextError`` for an unknown key.
+
+    >>> import jaxpar
+    >>> jaxpar.get_auto_parallel_context("parallel_mode") is jaxpar.ParallelMode.STAND_ALONE
+    True
+    """
     if attr_key == "full_batch":
         return current_context().dataset_strategy == "full_batch"
     if attr_key == "pipeline_config":
@@ -188,7 +195,14 @@ def get_auto_parallel_context(attr_key: str) -> Any:
 
 
 def reset_auto_parallel_context() -> None:
-    """Restores every option to its default."""
+    """Restores every option to its default.
+
+    >>> import jaxpar
+    >>> jaxpar.set_auto_parallel_context(parallel_mode="data_parallel")
+    >>> jaxpar.reset_auto_parallel_context()
+    >>> jaxpar.get_auto_parallel_context("parallel_mode").value
+    'stand_alone'
+    """
     global _base
     _base = ParallelContext()
 
@@ -247,6 +261,14 @@ def set_algo_parameters(**kwargs: Any) -> None:
 
 
 def get_algo_parameters(attr_key: str) -> Any:
+    """The value of one algorithm parameter (see :func:`set_algo_parameters`).
+
+    >>> import jaxpar
+    >>> jaxpar.set_algo_parameters(fully_use_devices=False)
+    >>> jaxpar.get_algo_parameters("fully_use_devices")
+    False
+    >>> jaxpar.reset_algo_parameters()
+    """
     if attr_key not in _ALGO_FIELDS:
         raise ContextError(
             f"jaxpar: unknown algorithm parameter {attr_key!r}. Known: "
@@ -255,6 +277,14 @@ def get_algo_parameters(attr_key: str) -> Any:
 
 
 def reset_algo_parameters() -> None:
+    """Restores every algorithm parameter to its default.
+
+    >>> import jaxpar
+    >>> jaxpar.set_algo_parameters(fully_use_devices=False)
+    >>> jaxpar.reset_algo_parameters()
+    >>> jaxpar.get_algo_parameters("fully_use_devices")
+    True
+    """
     global _algo
     _algo = AlgoParameters()
 

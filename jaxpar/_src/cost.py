@@ -1,12 +1,25 @@
 """The cost model shared by every search: compute, communication and memory per device.
 
-Collectives are priced with the alpha-beta model per mesh axis (``HardwareProfile``): a ring
-collective over ``n`` devices takes ``(n - 1)`` steps of latency plus its wire bytes over the
-slowest link of the group.  Wire bytes per device:
+Collectives are priced with the alpha-beta model per mesh axis (``HardwareProfile``): a launch
+latency paid once per collective (``collective_latency``), ``alpha`` seconds per algorithm step
+over the slowest-latency axis of the group, and the bytes one device sends over the slowest link
+of the group.  The algorithm follows the message size, as NCCL
+chooses between its Tree and Ring algorithms for all-reduce (and uses Ring for the rest):
 
-* all-reduce of ``S`` bytes: ``2 (n - 1) / n * S``;
-* all-gather to ``S`` bytes, reduce-scatter from ``S`` bytes: ``(n - 1) / n * S``;
-* all-to-all of ``S`` bytes: ``(n - 1) / n * S``.
+* all-reduce of ``S`` bytes over ``n`` devices: the cheaper of the ring
+  (``2 (n - 1)`` steps, ``2 (n - 1) / n * S`` bytes sent: bandwidth-optimal, for large
+  messages) and a latency-bound tree (recursive doubling: ``ceil(log2 n)`` steps, each sending
+  the whole buffer: for small messages);
+* all-gather to ``S`` bytes, reduce-scatter from ``S`` bytes: ring, ``n - 1`` steps,
+  ``(n - 1) / n * S`` bytes;
+* all-to-all of ``S`` bytes: ``n - 1`` pairwise steps, ``(n - 1) / n * S`` bytes.
+
+Wire bytes (what :mod:`jaxpar.inspect` reports for the compiled program) are always the ring's.
+Which collectives XLA merges into one, and which can run beside compute, is a property of the
+whole program, not of one operator: ``combine.py`` prices that; here a collective is priced on
+its own unless the caller says it travels in a combined collective of ``bucket`` bytes (the
+searches' gradient all-reduces, see ``SearchSpace.bucket_bytes``): then it pays its bytes' share
+of that collective's time, latency included.
 
 A layout change (an edge whose two ends disagree) is decomposed per mesh axis, as MindSpore's
 redistribution does: axes only the target has are local slices (free), axes that move to another
@@ -19,6 +32,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxpar._src.graph import itemsize
 from jaxpar._src.hardware import HardwareProfile
@@ -59,6 +74,8 @@ class Collective:
     nbytes: float  # payload: all-reduce size, gathered size, scattered input size
     wire_bytes: float  # what one device sends
     time: float
+    reduction: str = ""  # all-reduce: "sum", "max", ...; XLA combines only equal reductions
+    dtype: str = ""  # element type; XLA combines only equal element types
 
 
 class CostModel:
@@ -71,18 +88,36 @@ class CostModel:
 
     # -- collectives --------------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str], *,
-                   latency: bool = True) -> Collective:
-        """One ring collective; ``latency=False`` for one XLA combines with others."""
-        axes = tuple(axes)
+                   bucket: float = 0.0, reduction: str = "", dtype: str = ""
+                   ) -> Collective:
+        """One collective, its algorithm chosen by size; one XLA combines into a collective of
+        ``bucket`` bytes pays its bytes' share of that one's time."""
+        axes = tuple(a for a in axes if self.mesh.size(a) > 1)
         n = self.mesh.product(axes)
         if n <= 1 or nbytes <= 0:
-            return Collective(kind, axes, 0.0, 0.0, 0.0)
+            return Collective(kind, axes, 0.0, 0.0, 0.0, reduction, dtype)
         factor = 2.0 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
         wire = factor * nbytes
+        if bucket > nbytes:
+            time = nbytes / bucket * self.collective_time(kind, bucket, axes)
+        else:
+            time = self.collective_time(kind, nbytes, axes)
+        return Collective(kind, axes, float(nbytes), wire, time, reduction, dtype)
+
+    def collective_time(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+        """Seconds of one collective of ``nbytes`` over ``axes`` (see the module docstring)."""
+        n = self.mesh.product(axes)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
         bandwidth = min(self.hw.bandwidth(a, self.mesh) for a in axes)
-        alpha = max(self.hw.latency(a, self.mesh) for a in axes) if latency else 0.0
-        steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
-        return Collective(kind, axes, float(nbytes), wire, steps * alpha + wire / bandwidth)
+        alpha = max(self.hw.latency(a, self.mesh) for a in axes)
+        launch = self.hw.collective_latency
+        if kind == "all-reduce":
+            ring = 2 * (n - 1) * alpha + 2.0 * (n - 1) / n * nbytes / bandwidth
+            rounds = math.ceil(math.log2(n))
+            tree = rounds * (alpha + nbytes / bandwidth)
+            return launch + min(ring, tree)
+        return launch + (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
 
     # -- edges --------------------------------------------------------------------------------
     def redistribution(self, src: Spec, dst: Spec, shape: tuple[int, ...], dtype: Any
@@ -107,30 +142,34 @@ class CostModel:
 
     # -- operators ----------------------------------------------------------------------------
     def op_collectives(self, strategy: OpStrategy, out_shapes: Sequence[tuple[int, ...]],
-                       out_dtypes: Sequence[Any], *, combined: bool = False
+                       out_dtypes: Sequence[Any], *, bucket: float = 0.0
                        ) -> tuple[Collective, ...]:
-        """The all-reduces that combine partial results of a split reduction factor.
+        """The all-reduces that combine partial results of a split reduction factor, one per
+        result.
 
-        ``combined``: the result is a gradient on its way to the optimizer; XLA's all-reduce
-        combiner merges such independent all-reduces into one, so each pays no latency of its
-        own.
+        ``bucket``: the size of the combined all-reduce each travels in (gradients on their way
+        to the optimizer, which XLA's combiner merges), 0 when it runs alone.
         """
         if not strategy.partial:
             return ()
         axes = tuple(a for a, _ in strategy.partial)
+        reduction = strategy.partial[0][1]
         out = []
         for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
             nbytes = math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
-            out.append(self.collective("all-reduce", nbytes, axes, latency=not combined))
+            c = self.collective("all-reduce", nbytes, axes, bucket=bucket,
+                                reduction=reduction, dtype=_dtype_name(dtype))
+            if c.wire_bytes > 0:
+                out.append(c)
         return tuple(out)
 
     def op_cost(self, rule: FactorRule, strategy: OpStrategy,
                 in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any],
                 out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
-                weight: float = 1.0, combined: bool = False) -> Cost:
+                weight: float = 1.0, bucket: float = 0.0) -> Cost:
         split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
         flops = rule.flops / split
-        colls = self.op_collectives(strategy, out_shapes, out_dtypes, combined=combined)
+        colls = self.op_collectives(strategy, out_shapes, out_dtypes, bucket=bucket)
         memory = 0.0
         for spec, shape, dtype in zip(strategy.in_specs, in_shapes, in_dtypes, strict=True):
             memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
@@ -138,6 +177,13 @@ class CostModel:
             memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
         return Cost(flops * weight, weight * sum(c.wire_bytes for c in colls),
                     weight * sum(c.time for c in colls), memory)
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:
+        return str(dtype)
 
 
 def _redistribution(model: CostModel, src: Spec, dst: Spec, shape: tuple[int, ...],

@@ -3,14 +3,17 @@
 A JAX program sees the global batch, so a loss that averages over it already has gradients equal
 to the mean of the per-device gradients: MindSpore's ``gradients_mean=True``, jaxpar's default.
 XLA inserts that all-reduce itself.  MindSpore's ``gradients_mean=False`` (the per-device sum) has
-no meaning for a program that never sees per-device losses, so ``parallelize`` refuses it rather
-than compute something else.
+no meaning for a program that never sees per-device losses, so ``parallelize`` refuses it (in
+``data_parallel``, ``semi_auto_parallel`` and ``auto_parallel`` alike) rather than compute
+something else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import jax
 
 from jaxpar._src.errors import PlanError, StrategyError
 from jaxpar._src.spec import MeshShape, Spec
@@ -23,12 +26,23 @@ def infer_batch_argnums(args: Sequence[Any], out_shapes: Any, static: Sequence[i
     """Arguments that do not come back as results: the data of a state-threading step.
 
     Raises:
-      PlanError: when the function threads no state (or only state), so the batch cannot be
-        told apart; pass ``batch_argnums``.
+      PlanError: when the function threads no state (or only state), or the arguments left
+        over do not share a leading (batch) dimension, so the batch cannot be told apart;
+        pass ``batch_argnums``.
     """
     dyn = [i for i in range(len(args)) if i not in static]
     state = {i for i, _ in threaded_state(args, out_shapes, static)}
     data = tuple(i for i in dyn if i not in state)
+    leading = sorted({tuple(leaf.shape)[0] for i in data for leaf in jax.tree.leaves(args[i])
+                      if getattr(leaf, "ndim", 0) >= 1})
+    if state and data and len(leading) > 1:
+        taken = ", ".join(f"'{names[i]}'" for i in data)
+        raise PlanError(
+            f"{api}: cannot tell which arguments carry the batch. The arguments that do not "
+            f"come back as results ({taken}) would be the batch, but their arrays do not share "
+            f"a batch dimension (leading sizes {', '.join(map(str, leading))}), so they look "
+            f"like weights. Pass batch_argnums=..., e.g. batch_argnums=({dyn[0]},) for "
+            f"'{names[dyn[0]]}'.")
     if not state or not data:
         raise PlanError(
             f"{api}: cannot tell which arguments carry the batch. jaxpar infers it for a train "

@@ -19,27 +19,75 @@ class JaxparError(ValueError):
 
 
 class StrategyError(JaxparError):
-    """A sharding strategy cannot be applied: wrong rank, not divisible, unknown mesh axis, ..."""
+    """A sharding strategy cannot be applied: wrong rank, not divisible, unknown mesh axis, ...
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x: x * 2, mesh=jaxpar.make_mesh((8,), ("d",)),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=(3,))
+    >>> try:
+    ...     f(jnp.ones(8))
+    ... except jaxpar.StrategyError as e:
+    ...     print(str(e).split(": ", 2)[-1][:44])
+    strategy (3,) cuts dimension 0 of the f32[8]
+    """
 
 
 class MeshError(JaxparError):
-    """A mesh is missing, too large for the devices, or does not fit the strategies."""
+    """A mesh is missing, too large for the devices, or does not fit the strategies.
+
+    >>> import jaxpar
+    >>> try:
+    ...     jaxpar.make_mesh((4, 4), ("dp", "mp"))  # 16 devices; there are 8
+    ... except jaxpar.MeshError as e:
+    ...     print(type(e).__name__)
+    MeshError
+    """
 
 
 class ContextError(JaxparError):
-    """An unknown or invalid option of the auto-parallel context."""
+    """An unknown or invalid option of the auto-parallel context.
+
+    >>> import jaxpar
+    >>> try:
+    ...     jaxpar.set_auto_parallel_context(parallel_mode="auto")
+    ... except jaxpar.ContextError as e:
+    ...     print(str(e)[:35])
+    jaxpar: parallel_mode 'auto' is not
+    """
 
 
 class PlanError(JaxparError):
-    """A plan cannot be made or does not fit the program (nothing fixed, wrong signature, ...)."""
+    """A plan cannot be made or does not fit the program (nothing fixed, wrong signature, ...).
+
+    >>> import jaxpar
+    >>> try:
+    ...     jaxpar.ShardingPlan.from_json("{")
+    ... except jaxpar.PlanError as e:
+    ...     print(str(e)[:42])
+    jaxpar: the text is not a plan file: it is
+    """
 
 
 class DatasetError(JaxparError):
-    """A dataset is built or used inconsistently (columns, shards, batch sizes, ...)."""
+    """A dataset is built or used inconsistently (columns, shards, batch sizes, ...).
+
+    >>> import numpy as np, jaxpar
+    >>> from jaxpar import dataset as ds
+    >>> try:
+    ...     ds.NumpySlicesDataset((np.zeros(4), np.zeros(5)))
+    ... except jaxpar.DatasetError as e:
+    ...     print(type(e).__name__)
+    DatasetError
+    """
 
 
 class JaxparWarning(UserWarning):
-    """Something jaxpar handled safely but the user should know about."""
+    """Something jaxpar handled safely but the user should know about.
+
+    >>> import warnings, jaxpar
+    >>> issubclass(jaxpar.JaxparWarning, UserWarning)  # warnings.simplefilter can select it
+    True
+    """
 
 
 _warned: set[str] = set()
@@ -54,7 +102,15 @@ def warn_once(key: str, message: str) -> None:
 
 
 class PSError(JaxparError):
-    """Parameter-server training cannot go on: a bad configuration, or nothing left to run on."""
+    """Parameter-server training cannot go on: a bad configuration, or nothing left to run on.
+
+    >>> from jaxpar import ps
+    >>> try:
+    ...     ps.read_on_workers(lambda step, part, n: (), batch_size=0)
+    ... except ps.PSError as e:
+    ...     print(e)
+    read_on_workers: batch_size=0 must be a positive int.
+    """
 
 
 class CheckpointError(JaxparError):

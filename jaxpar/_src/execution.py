@@ -26,7 +26,14 @@ _options: dict[str, Any] = {"mode": GRAPH_MODE}
 
 
 def set_context(**kwargs: Any) -> None:
-    """Sets execution options; ``mode`` is ``GRAPH_MODE`` or ``PYNATIVE_MODE``."""
+    """Sets execution options; ``mode`` is ``GRAPH_MODE`` or ``PYNATIVE_MODE``.
+
+    >>> import jaxpar
+    >>> jaxpar.set_context(mode=jaxpar.PYNATIVE_MODE)  # steps run eagerly, operator by operator
+    >>> jaxpar.get_context("mode") == jaxpar.PYNATIVE_MODE
+    True
+    >>> jaxpar.set_context(mode=jaxpar.GRAPH_MODE)
+    """
     for key, value in kwargs.items():
         if key != "mode":
             raise ContextError(f"jaxpar.set_context: unknown option {key!r}; jaxpar's execution "
@@ -39,6 +46,12 @@ def set_context(**kwargs: Any) -> None:
 
 
 def get_context(key: str) -> Any:
+    """One execution option's value (``"mode"``).
+
+    >>> import jaxpar
+    >>> jaxpar.get_context("mode") == jaxpar.GRAPH_MODE  # the default: compiled steps
+    True
+    """
     if key not in _options:
         raise ContextError(f"jaxpar.get_context: unknown option {key!r}; known: 'mode'.")
     return _options[key]

@@ -1,6 +1,8 @@
-"""Communication fusion: which gradients share one all-reduce (MindSpore's ``comm_fusion``).
+"""Communication fusion settings: MindSpore's ``comm_fusion`` and ``all_reduce_fusion_config``.
 
-Three modes, as MindSpore defines them, over the gradients in parameter order:
+This module only parses and holds the configuration (the auto-parallel context stores it); the
+training stack applies it (``jaxpar/_src/train/buckets.py``: which gradients share one
+all-reduce).  Three modes, as MindSpore defines them, over the gradients in parameter order:
 
 * ``"auto"``: buckets of up to 64 MB, filled in order;
 * ``"size"``: buckets of up to ``config`` MB;
@@ -11,16 +13,14 @@ Three modes, as MindSpore defines them, over the gradients in parameter order:
 bucket gets a bucket of its own.
 
 >>> fusion = CommFusion.parse({"allreduce": {"mode": "index", "config": [2, 3]}})
->>> [list(b) for b in buckets([4, 4, 4, 4, 4], fusion.allreduce)]
-[[0, 1], [2], [3, 4]]
->>> [list(b) for b in buckets([3 << 20, 2 << 20, 2 << 20], FusionConfig("size", 4))]
-[[0], [1, 2]]
+>>> fusion.allreduce
+FusionConfig(mode='index', config=(2, 3))
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from jaxpar._src.errors import ContextError
@@ -70,11 +70,11 @@ class CommFusion:
         openstate = value.get("openstate", True)
         if not isinstance(openstate, bool):
             raise ContextError(f"jaxpar: comm_fusion openstate must be a bool, got {openstate!r}.")
-        kinds = {k: _parse_kind(k, value[k]) for k in KINDS if k in value}
+        kinds = {k: parse_kind(k, value[k]) for k in KINDS if k in value}
         return cls(openstate, **kinds)
 
 
-def _parse_kind(kind: str, entry: Any) -> FusionConfig:
+def parse_kind(kind: str, entry: Any) -> FusionConfig:
     if not isinstance(entry, Mapping) or "mode" not in entry:
         raise ContextError(
             f"jaxpar: comm_fusion[{kind!r}] must be a dict with a 'mode' ('auto', 'size' or "
@@ -104,46 +104,3 @@ def check_split_indices(value: Any, what: str) -> tuple[int, ...]:
             f"jaxpar: {what} must be strictly increasing gradient indices such as [20, 35], "
             f"got {value!r}.")
     return tuple(value)
-
-
-def allreduce_fusion(override: Any = None) -> FusionConfig:
-    """The all-reduce fusion in force: ``override`` (a dict, or split indices), else the
-    context's ``comm_fusion``, else its ``all_reduce_fusion_config``, else ``"auto"``."""
-    from jaxpar._src.context import current_context
-
-    if override is not None:
-        if isinstance(override, FusionConfig):
-            return override
-        if isinstance(override, Mapping):
-            return _parse_kind("allreduce", override)
-        return FusionConfig("index", check_split_indices(override, "fusion"))
-    ctx = current_context()
-    if ctx.comm_fusion is not None:
-        if not ctx.comm_fusion.openstate:
-            return FusionConfig("off")
-        if ctx.comm_fusion.allreduce != FusionConfig() or ctx.all_reduce_fusion_config is None:
-            return ctx.comm_fusion.allreduce
-    if ctx.all_reduce_fusion_config is not None:
-        return FusionConfig("index", ctx.all_reduce_fusion_config)
-    return FusionConfig()
-
-
-def buckets(nbytes: Sequence[float], config: FusionConfig) -> list[range]:
-    """Consecutive index ranges of the tensors fused together, in order."""
-    n = len(nbytes)
-    if n == 0:
-        return []
-    if config.mode == "off":
-        return [range(i, i + 1) for i in range(n)]
-    if config.mode == "index":
-        points = [0] + [i for i in config.config if 0 < i < n] + [n]
-        return [range(a, b) for a, b in zip(points, points[1:], strict=False) if b > a]
-    limit = config.threshold_bytes
-    out, start, filled = [], 0, 0.0
-    for i, size in enumerate(nbytes):
-        if i > start and filled + size > limit:
-            out.append(range(start, i))
-            start, filled = i, 0.0
-        filled += size
-    out.append(range(start, n))
-    return out

@@ -42,6 +42,13 @@ class CollectiveRecord:
     the gathered result; reduce-scatter: the input); ``count`` is how many times it runs per
     call of the program (loop trip counts).  ``axes`` names the mesh axes of its groups when a
     mesh was given.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x: x.sum(), mesh=jaxpar.make_mesh((8,), ("d",)),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((8,),))
+    >>> record = jaxpar.inspect.collectives(f.lower(jnp.ones(64)))[0]
+    >>> record.kind, record.group_size, record.nbytes, record.wire_bytes
+    ('all-reduce', 8, 4.0, 7.0)
     """
 
     kind: str
@@ -68,12 +75,20 @@ class CollectiveRecord:
 
 
 class Collectives(tuple):
-    """The collectives of a program: a tuple of :class:`CollectiveRecord` with summaries."""
+    """The collectives of a program: a tuple of :class:`CollectiveRecord` with summaries.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x: x.sum(), mesh=jaxpar.make_mesh((8,), ("d",)),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((8,),))
+    >>> colls = jaxpar.inspect.collectives(f.lower(jnp.ones(64)))
+    >>> colls.count("all-reduce"), colls.total_bytes("all-reduce"), len(colls.of("all-gather"))
+    (1, 4.0, 0)
+    """
 
     def of(self, kind: str) -> Collectives:
         return Collectives(r for r in self if r.kind == kind)
 
-    def count(self, kind: str | None = None) -> int:  # type: ignore[override]
+    def count(self, kind: str | None = None) -> int:
         """How many collectives run per call (loop trip counts included)."""
         return sum(r.count for r in self if kind is None or r.kind == kind)
 
@@ -258,7 +273,9 @@ def _split_tuple(type_str: str) -> list[str]:
     if not s.startswith("("):
         return [s]
     s = re.sub(r"/\*.*?\*/", "", s[1:-1])
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in s:
         if ch in "([{":
             depth += 1

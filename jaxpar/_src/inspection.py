@@ -24,7 +24,12 @@ def _compiled(obj: Any) -> Any:
 
 def hlo_text(obj: Any) -> str:
     """The partitioned HLO of a ``Lowered`` (compiled here) or ``Compiled`` program, or ``obj``
-    itself when it is already text."""
+    itself when it is already text.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> "HloModule" in jaxpar.inspect.hlo_text(jax.jit(jnp.sin).lower(jnp.ones(4)))
+    True
+    """
     if isinstance(obj, str):
         return obj
     return _compiled(obj).as_text()
@@ -74,6 +79,11 @@ def memory(obj: Any) -> dict[str, int]:
 
     ``total`` is ``argument + output - alias + temp``; XLA:CPU's own peak figure leaves
     temporaries out.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> mem = jaxpar.inspect.memory(jax.jit(lambda x: x * 2).lower(jnp.ones(256)))
+    >>> mem["argument"], mem["output"]
+    (1024, 1024)
     """
     stats = _compiled(obj).memory_analysis()
     out = {
@@ -87,7 +97,12 @@ def memory(obj: Any) -> dict[str, int]:
 
 
 def flops(obj: Any) -> float:
-    """Per-device FLOPs XLA counts for a compiled program (a loop body counts once)."""
+    """Per-device FLOPs XLA counts for a compiled program (a loop body counts once).
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> jaxpar.inspect.flops(jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2))))
+    128.0
+    """
     cost = _compiled(obj).cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}

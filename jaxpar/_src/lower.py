@@ -13,10 +13,12 @@ pinned to one layout on both ends.  XLA's SPMD partitioner then inserts the coll
                      └─► run(*leaves): for node in graph.order:
                              op      → bind(eqn, read(operands, in_specs)) → constrain(out_specs)
                              control → lax.scan / while_loop / switch over the body nodes
+                             checkpoint body → optimization barrier on its inputs, then its nodes
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar._src.compat import bind_equation, scan_counts
-from jaxpar._src.graph import Const, Node, OpGraph
+from jaxpar._src.compat import bind_equation
+from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import Spec
 
@@ -109,19 +111,66 @@ class _Evaluator:
                 outs.append(self.read(env, self.graph.nodes[nid].inputs[0], d.in_specs[0]))
         return outs
 
-    def eval_seq(self, seq: Sequence[int], env: dict) -> None:
-        for nid in seq:
-            node = self.graph.nodes[nid]
-            if node.kind == "op":
-                self.eval_op(node, env)
-            elif node.kind == "const":
-                d = self.plan.decisions[nid]
-                env[node.outputs[0]] = self.constrain(jnp.asarray(node.params["value"]),
-                                                      d.out_specs[0])
-            elif node.kind == "control":
-                {"scan": self.eval_scan, "while": self.eval_while,
-                 "cond": self.eval_cond}[node.name](node, env)
-            # input, output, enter, exit: filled by run() / the control node
+    def eval_seq(self, seq: Sequence[int], env: dict, entered: frozenset[int] = frozenset()
+                 ) -> None:
+        """Evaluates ``seq`` into ``env``; ``entered``: the checkpoint blocks already open."""
+        i = 0
+        while i < len(seq):
+            block = self._next_block(self.graph.nodes[seq[i]].remat, entered)
+            if block is not None:  # a checkpoint body: its contiguous run of nodes
+                end = i
+                while end < len(seq) and block in self._blocks(self.graph.nodes[seq[end]].remat):
+                    end += 1
+                self.eval_remat(block, seq[i:end], env, entered)
+                i = end
+                continue
+            self.eval_node(self.graph.nodes[seq[i]], env)
+            i += 1
+
+    def _blocks(self, block: int | None) -> list[int]:
+        """The checkpoint blocks around a node, innermost first."""
+        out = []
+        while block is not None:
+            out.append(block)
+            block = self.graph.remats[block].parent
+        return out
+
+    def _next_block(self, block: int | None, entered: frozenset[int]) -> int | None:
+        """The outermost block around a node that is not open yet."""
+        pending = [b for b in self._blocks(block) if b not in entered]
+        return pending[-1] if pending else None
+
+    def eval_remat(self, block: int, seq: Sequence[int], env: dict, entered: frozenset[int]
+                   ) -> None:
+        """A checkpoint body, lowered as JAX lowers a differentiated ``remat2``: the inputs
+        that prevent common-subexpression elimination pass one optimization barrier, so XLA
+        recomputes the body instead of reusing the forward pass's values."""
+        info = self.graph.remats[block]
+        shielded = [o for o, b in zip(info.inputs, info.barrier, strict=True)
+                    if b and isinstance(o, int) and o in env]
+        inner = dict(zip(shielded, jax.lax.optimization_barrier([env[v] for v in shielded]),
+                         strict=True))
+        scope = collections.ChainMap(inner, env)
+        self.eval_seq(seq, scope, entered | {block})  # type: ignore[arg-type]
+        for key, value in inner.items():
+            if key not in shielded:  # what the body made (the inputs stay unshielded outside)
+                env[key] = value
+
+    def eval_node(self, node: Node, env: dict) -> None:
+        if node.kind is NodeKind.OP:
+            self.eval_op(node, env)
+        elif node.kind is NodeKind.CONST:
+            d = self.plan.decisions[node.id]
+            env[node.outputs[0]] = self.constrain(jnp.asarray(node.constant), d.out_specs[0])
+        elif node.kind is NodeKind.CONTROL:
+            match node.structure:
+                case ScanRegion() as scan:
+                    self.eval_scan(node, scan, env)
+                case WhileRegion() as loop:
+                    self.eval_while(loop, env)
+                case CondRegion() as cond:
+                    self.eval_cond(node, cond, env)
+        # input, output, enter, exit: filled by run() / the control node
 
     def eval_op(self, node: Node, env: dict) -> None:
         with jax.named_scope(node_scope(node.id)):
@@ -148,110 +197,62 @@ class _Evaluator:
             return self.read(env, node.inputs[operand_index],
                              self.plan.decisions[nid].in_specs[operand_index])
 
-    def _exits(self, node: Node, env: dict, results: Sequence[Any]) -> None:
-        for eid in node.params.get("exits", ()):
-            e = self.graph.nodes[eid]
-            env[e.outputs[0]] = self.constrain(results[e.params["index"]],
-                                               self.plan.decisions[eid].out_specs[0])
+    def _exits(self, exits: Sequence[int], env: dict, results: Sequence[Any]) -> None:
+        for eid, value in zip(exits, results, strict=True):
+            env[self.graph.nodes[eid].outputs[0]] = self.constrain(
+                value, self.plan.decisions[eid].out_specs[0])
 
-    def _by_role(self, seq: Sequence[int]) -> dict[str, list[int]]:
-        roles: dict[str, list[int]] = {}
-        for nid in seq:
-            n = self.graph.nodes[nid]
-            if n.kind == "enter":
-                roles.setdefault(n.name, []).append(nid)
-        for ids in roles.values():
-            ids.sort(key=lambda i: self.graph.nodes[i].params["index"])
-        return roles
+    def _bind(self, env: dict, enters: Sequence[int], values: Sequence[Any]) -> dict:
+        for nid, value in zip(enters, values, strict=True):
+            self._enter(nid, env, value)
+        return env
 
-    def eval_scan(self, node: Node, env: dict) -> None:
+    def eval_scan(self, node: Node, scan: ScanRegion, env: dict) -> None:
         p = node.eqn.params
-        body = node.params["body"]
-        roles = self._by_role(body)
-        consts = [self._outer(n, env) for n in roles.get("const", [])]
-        init = [self._outer(n, env) for n in roles.get("carry", [])]
-        xs = [self._outer(n, env) for n in roles.get("xs", [])]
+        consts = [self._outer(n, env) for n in scan.consts]
+        init = [self._outer(n, env) for n in scan.carries]
+        xs = [self._outer(n, env) for n in scan.xs]
+        ys_exits = scan.exits[len(scan.carries):]
 
         def step(carry: list, x: list) -> tuple[list, list]:
-            benv: dict = {}
-            for nid, c in zip(roles.get("const", []), consts, strict=True):
-                self._enter(nid, benv, c)
-            for nid, c in zip(roles.get("carry", []), carry, strict=True):
-                self._enter(nid, benv, c)
-            for nid, xi in zip(roles.get("xs", []), x, strict=True):
-                self._enter(nid, benv, xi)
-            self.eval_seq(body, benv)
-            new = [self._outer(n, benv, 1) for n in roles.get("carry", [])]
-            ys = [self._exit_value(e, benv) for e in self._ys_exits(node)]
+            benv = self._bind({}, scan.consts + scan.carries + scan.xs, consts + carry + x)
+            self.eval_seq(scan.body, benv)
+            new = [self._outer(n, benv, 1) for n in scan.carries]
+            ys = [self._outer(e, benv) for e in ys_exits]
             return new, ys
 
         carry, ys = jax.lax.scan(step, init, xs, length=p["length"],
                                  reverse=p["reverse"], unroll=p["unroll"])
-        self._exits(node, env, list(carry) + list(ys))
+        self._exits(scan.exits, env, list(carry) + list(ys))
 
-    def _ys_exits(self, node: Node) -> list[int]:
-        _, nk = scan_counts(node.eqn.params)
-        exits = {self.graph.nodes[e].params["index"]: e for e in node.params.get("exits", ())}
-        n_out = len(node.eqn.outvars)
-        # every stacked output must be produced, even if dead outside (keep positions aligned)
-        return [exits.get(j) for j in range(nk, n_out)]
-
-    def _exit_value(self, eid: int | None, benv: dict) -> Any:
-        if eid is None:
-            raise AssertionError("a scan output without an exit node")
-        e = self.graph.nodes[eid]
-        return self.read(benv, e.inputs[0], self.plan.decisions[eid].in_specs[0])
-
-    def eval_while(self, node: Node, env: dict) -> None:
-        carries = node.params["carry_nodes"]
-        cond_roles = self._by_role(node.params["cond"])
-        body_roles = self._by_role(node.params["body"])
-        cconsts = [self._outer(n, env) for n in cond_roles.get("const", [])]
-        bconsts = [self._outer(n, env) for n in body_roles.get("const", [])]
-        init = [self._outer(n, env) for n in carries]
-
-        def bind(carry: Sequence[Any], consts: Sequence[Any], roles: dict) -> dict:
-            e: dict = {}
-            for nid, c in zip(carries, carry, strict=True):
-                self._enter(nid, e, c)
-            for nid, c in zip(roles.get("const", []), consts, strict=True):
-                self._enter(nid, e, c)
-            return e
+    def eval_while(self, loop: WhileRegion, env: dict) -> None:
+        cconsts = [self._outer(n, env) for n in loop.cond_consts]
+        bconsts = [self._outer(n, env) for n in loop.body_consts]
+        init = [self._outer(n, env) for n in loop.carries]
 
         def cond_fn(carry: list) -> Any:
-            cenv = bind(carry, cconsts, cond_roles)
-            self.eval_seq(node.params["cond"], cenv)
-            return self.read(cenv, node.params["predicate"], None)
+            cenv = self._bind({}, loop.carries + loop.cond_consts, list(carry) + cconsts)
+            self.eval_seq(loop.cond, cenv)
+            return self.read(cenv, loop.predicate, None)
 
         def body_fn(carry: list) -> list:
-            benv = bind(carry, bconsts, body_roles)
-            self.eval_seq(node.params["body"], benv)
-            return [self._outer(n, benv, 1) for n in carries]
+            benv = self._bind({}, loop.carries + loop.body_consts, list(carry) + bconsts)
+            self.eval_seq(loop.body, benv)
+            return [self._outer(n, benv, 1) for n in loop.carries]
 
         final = jax.lax.while_loop(cond_fn, body_fn, init)
-        self._exits(node, env, final)
+        self._exits(loop.exits, env, final)
 
-    def eval_cond(self, node: Node, env: dict) -> None:
-        enters = sorted(node.params["enter"], key=lambda i: self.graph.nodes[i].params["index"])
-        operands = [self._outer(n, env) for n in enters]
+    def eval_cond(self, node: Node, cond: CondRegion, env: dict) -> None:
+        operands = [self._outer(n, env) for n in cond.operands]
         index = self.read(env, node.inputs[0], None)
-        exits = sorted(node.params.get("exits", ()),
-                       key=lambda i: self.graph.nodes[i].params["index"])
-        n_out = len(node.eqn.outvars)
 
         def branch(k: int) -> Callable:
             def f(*ops: Any) -> list:
-                benv: dict = {}
-                for nid, o in zip(enters, ops, strict=True):
-                    self._enter(nid, benv, o)
-                self.eval_seq(node.params["branches"][k], benv)
-                outs = [self.read(benv, self.graph.nodes[e].inputs[k],
-                                  self.plan.decisions[e].in_specs[k]) for e in exits]
-                if len(outs) != n_out:
-                    raise AssertionError("a cond output without an exit node")
-                return outs
+                benv = self._bind({}, cond.operands, ops)
+                self.eval_seq(cond.branches[k], benv)
+                return [self._outer(e, benv, k) for e in cond.exits]
             return f
 
-        results = jax.lax.switch(index, [branch(k) for k in range(len(node.params["branches"]))],
-                                 *operands)
-        self._exits(node, env, results)
+        results = jax.lax.switch(index, [branch(k) for k in range(len(cond.branches))], *operands)
+        self._exits(cond.exits, env, results)

@@ -3,7 +3,10 @@
 A plan holds, for every node of the traced graph, the layouts of its operands and results, where
 that choice came from (a user pin, propagation, a search) and the collectives the cost model
 predicts for it: the operator's own (partial sums to combine) and the layout changes on its input
-edges.  It prints as a table (:meth:`ShardingPlan.explain`) and round-trips through JSON.
+edges.  Beside them it holds the program's collectives as XLA will run them, after its
+combiners merged independent ones (``combine.py``): their count is what the compiled program
+has, and the step time is priced from them.  It prints as a table
+(:meth:`ShardingPlan.explain`) and round-trips through JSON.
 """
 
 from __future__ import annotations
@@ -12,17 +15,17 @@ import collections
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from jaxpar._src.cost import Collective, CostModel
-from jaxpar._src.graph import Const, OpGraph
-from jaxpar._src.search.common import Assignment, SearchSpace
+from jaxpar._src.combine import IssuedCollective
+from jaxpar._src.cost import Collective
 from jaxpar._src.spec import MeshShape, Spec
 
 USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
-HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter",
-                   "sharding_constraint"})
+# Listed by explain() besides anything that communicates: the categories of work worth seeing
+# (the rules say which operators are contractions or gathers), and the user's own pins.
+LISTED_CATEGORIES = frozenset({"contraction", "indexing"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +38,17 @@ class PredictedCollective:
     wire_bytes: float  # bytes one device sends, times how often it runs
     time: float  # seconds, times how often it runs
     count: float  # how often it runs per call (loop trips)
+    members: int = 1  # collectives XLA combined into this one
+    deferred: bool = False  # off the critical path (gradients on their way to the optimizer)
 
     @classmethod
     def of(cls, c: Collective, weight: float) -> PredictedCollective:
         return cls(c.kind, c.axes, c.nbytes, c.wire_bytes * weight, c.time * weight, weight)
+
+    @classmethod
+    def issued(cls, c: IssuedCollective) -> PredictedCollective:
+        return cls(c.kind, c.axes, c.nbytes, c.wire_bytes * c.count, c.time * c.count, c.count,
+                   len(c.members), c.deferred)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +67,15 @@ class Redistribution:
 
 @dataclasses.dataclass(frozen=True)
 class OpDecision:
-    """The strategy of one node."""
+    """The strategy of one node.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((2, 1), (1, 4)))
+    >>> dot = f.plan(jnp.ones((8, 16)), jnp.ones((16, 32))).ops("dot_general")[0]
+    >>> dot.strategy_str(), dot.origin
+    ('[dp, -]·[-, mp] -> [dp, mp]', 'propagated')
+    """
 
     node: int
     kind: str  # input, const, output, op, enter, exit, control
@@ -78,6 +96,7 @@ class OpDecision:
     terms: tuple[float, float, float] | None = None
     runner_up: tuple[tuple[Spec, ...], tuple[Spec, ...]] | None = None
     runner_up_extra_s: float = 0.0
+    category: str = "other"  # of its rule: "contraction", "indexing" or "other"
 
     @property
     def comm_time(self) -> float:
@@ -115,6 +134,16 @@ class ShardingPlan:
 
     Use :meth:`explain` for a readable table, :meth:`to_json`/:meth:`from_json` or
     :meth:`save`/:meth:`load` to keep it.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((2, 1), (1, 4)))
+    >>> plan = f.plan(jnp.ones((8, 16)), jnp.ones((16, 32)))
+    >>> plan.output_layouts() == {"out": P("dp", "mp")}
+    True
+    >>> jaxpar.ShardingPlan.from_json(plan.to_json()) == plan
+    True
     """
 
     mesh: MeshShape
@@ -133,6 +162,11 @@ class ShardingPlan:
     objective_s: float | None = None  # the search's simulated seconds (auto_parallel)
     baseline_s: float | None = None  # pure data parallel's, under the same model
     optimal: bool | None = None  # proven optimal (search_mode="optimal")
+    # The program's collectives as XLA runs them (after its combiners) and the step time they
+    # make; empty / None in plans saved before they were recorded.
+    collectives: tuple[PredictedCollective, ...] = ()
+    compute_s: float | None = None
+    step_s: float | None = None
     # The pipeline the program runs (jaxpar.PipelineCell): split, schedule, timeline; not in
     # the JSON form (a strategy file describes layouts).
     pipeline: Any = dataclasses.field(default=None, compare=False)
@@ -164,7 +198,11 @@ class ShardingPlan:
         """Every edge whose two ends disagree on the layout (the plan pays a layout change)."""
         return tuple(r for d in self.decisions for r in d.redistributions)
 
-    def predicted_collectives(self) -> tuple[PredictedCollective, ...]:
+    def predicted_collectives(self, combined: bool = True) -> tuple[PredictedCollective, ...]:
+        """The collectives the program runs: after XLA's combiners (one entry per collective of
+        the compiled program), or with ``combined=False`` one per operator and layout change."""
+        if combined and self.collectives:
+            return self.collectives
         out = []
         for d in self.decisions:
             out.extend(d.collectives)
@@ -173,14 +211,19 @@ class ShardingPlan:
         return tuple(out)
 
     def step_time(self) -> float:
-        """Simulated seconds per call: every device's compute plus every collective."""
+        """Simulated seconds per call: every device's compute plus the communication it does
+        not hide (all of it without overlap), collectives priced after combining."""
+        if self.step_s is not None:
+            return self.step_s
         compute = sum(d.flops for d in self.decisions) / self.flops_per_s
         return compute + sum(d.comm_time for d in self.decisions)
 
     def summary(self) -> dict[str, Any]:
-        """Totals: predicted collectives per kind, memory, simulated step time, search."""
+        """Totals: predicted collectives per kind (after combining), memory, simulated step
+        time (compute, communication, and how much of it compute does not hide), search."""
         comm = self.communication_summary()
-        compute = sum(d.flops for d in self.decisions) / self.flops_per_s
+        compute = self.compute_s if self.compute_s is not None else \
+            sum(d.flops for d in self.decisions) / self.flops_per_s
         out = {
             "mesh": str(self.mesh), "parallel_mode": self.parallel_mode,
             "search_mode": self.search_mode, "hardware": self.hardware,
@@ -188,7 +231,9 @@ class ShardingPlan:
             "collective_wire_bytes": sum(v["wire_bytes"] for v in comm.values()),
             "memory_bytes_per_device": self.memory_bytes,
             "memory_budget_bytes": self.memory_budget,
-            "compute_s": compute, "communication_s": self.step_time() - compute,
+            "compute_s": compute,
+            "communication_s": sum(v["time"] for v in comm.values()),
+            "exposed_communication_s": self.step_time() - compute,
             "step_time_s": self.step_time(), "search_s": self.search_s,
         }
         if self.objective_s is not None:
@@ -200,7 +245,8 @@ class ShardingPlan:
         return out
 
     def communication_summary(self) -> dict[str, dict[str, float]]:
-        """Per collective kind: how many run per call and the wire bytes per device."""
+        """Per collective kind, after XLA's combiners: how many run per call (what the compiled
+        program has), the wire bytes per device and their seconds."""
         table: dict[str, dict[str, float]] = collections.defaultdict(
             lambda: {"count": 0.0, "wire_bytes": 0.0, "time": 0.0})
         for c in self.predicted_collectives():
@@ -229,7 +275,8 @@ class ShardingPlan:
             elif d.kind == "output":
                 keep = False
             else:
-                keep = d.comm_bytes > 0 or d.name in HEAVY or pinned
+                keep = (d.comm_bytes > 0 or d.category in LISTED_CATEGORIES or pinned
+                        or d.name == "sharding_constraint")
             if not (keep or verbose):
                 continue
             name = d.label if d.kind in ("input", "output") else (
@@ -322,88 +369,20 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        from jaxpar._src.plan_json import plan_from_dict
+        from jaxpar._src.plan_files import plan_from_json
 
-        return plan_from_dict(json.loads(text))
+        return plan_from_json(text)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        from jaxpar._src.plan_files import save_plan
+
+        save_plan(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ShardingPlan:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        from jaxpar._src.plan_files import load_plan
 
-
-def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
-              Sequence[int], parallel_mode: str, search_mode: str,
-              notes: Iterable[str] = (), details: Mapping[int, Any] | None = None,
-              report: Any = None) -> ShardingPlan:
-    """Assembles a plan from a search's assignment, pricing every node and edge.
-
-    ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
-    from the automatic searches.
-    """
-    model: CostModel = space.model
-    strategies = assignment.strategies
-    details = details or {}
-    decisions = []
-    for node in graph.nodes:
-        in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
-        out_shapes = tuple(graph.values[v].shape for v in node.outputs)
-        if node.kind == "control":
-            decisions.append(OpDecision(node.id, "control", node.name, node.source, "",
-                                        in_shapes, out_shapes, (), (), "", node.weight, (), ()))
-            continue
-        strat = strategies[node.id]
-        own = model.op_collectives(strat, out_shapes,
-                                   [graph.values[v].dtype for v in node.outputs],
-                                   combined=node.id in space.gradients)
-        redists = []
-        for i, operand in enumerate(node.inputs):
-            if isinstance(operand, Const):
-                continue
-            value = graph.values[operand]
-            producer = value.producer
-            src = strategies[producer].out_specs[value.index]
-            dst = strat.in_specs[i]
-            if src == dst or producer == node.id:
-                continue
-            w = space.edge_weight(producer, node.id)
-            colls = model.redistribution(src, dst, value.shape, value.dtype)
-            redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
-                                          tuple(PredictedCollective.of(c, w) for c in colls)))
-        detail = details.get(node.id)
-        extra = {}
-        if detail is not None:
-            extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
-            if detail.runner_up is not None:
-                extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
-                extra["runner_up_extra_s"] = detail.runner_up_extra_s
-        decisions.append(OpDecision(
-            node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
-            strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
-            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists), flops=space.op_cost(node.id, strat).flops, **extra))
-    unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
-    notes = list(notes)
-    if unreached:
-        notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
-    from jaxpar._src.search.memory import peak_memory
-
-    hw = model.hw
-    stats: dict[str, Any] = {
-        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
-        "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
-        "memory_budget": float(hw.memory_per_device)}
-    if report is not None:
-        notes.extend(report.notes)
-        stats.update(search_s=report.search_s, objective_s=report.objective_s,
-                     baseline_s=report.baseline_s, optimal=report.optimal)
-    return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
-                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes),
-                        **stats)
+        return load_plan(path)
 
 
 # -- formatting helpers -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from jaxpar._src.spec import MeshShape, Spec
 FORMAT = "jaxpar.plan/2"
 _PLAN_SCALARS = ("parallel_mode", "search_mode", "hardware", "flops_per_s", "memory_bytes",
                  "memory_budget", "search_s", "objective_s", "baseline_s", "optimal")
+_OPTIONAL_SCALARS = ("compute_s", "step_s")  # absent from plans saved before they existed
 
 
 def _coll_to(c: PredictedCollective) -> dict:
@@ -20,7 +21,8 @@ def _coll_to(c: PredictedCollective) -> dict:
 
 def _coll_from(d: dict) -> PredictedCollective:
     return PredictedCollective(d["kind"], tuple(d["axes"]), d["nbytes"], d["wire_bytes"],
-                               d["time"], d["count"])
+                               d["time"], d["count"], d.get("members", 1),
+                               d.get("deferred", False))
 
 
 def _specs(specs: Any) -> list:
@@ -43,6 +45,8 @@ def _decision_to(d: OpDecision) -> dict:
             "in_index": r.in_index, "src": r.src.to_json(), "dst": r.dst.to_json(),
             "collectives": [_coll_to(c) for c in r.collectives]} for r in d.redistributions],
     }
+    if d.category != "other":
+        out["category"] = d.category
     if d.terms is not None:
         out["terms"] = list(d.terms)
     if d.runner_up is not None:
@@ -65,7 +69,8 @@ def _decision_from(d: dict) -> OpDecision:
         terms=tuple(d["terms"]) if "terms" in d else None,
         runner_up=(_unspecs(d["runner_up"][0]), _unspecs(d["runner_up"][1]))
         if "runner_up" in d else None,
-        runner_up_extra_s=d.get("runner_up_extra_s", 0.0))
+        runner_up_extra_s=d.get("runner_up_extra_s", 0.0),
+        category=d.get("category", "other"))
 
 
 def plan_to_dict(plan: ShardingPlan) -> dict:
@@ -73,18 +78,21 @@ def plan_to_dict(plan: ShardingPlan) -> dict:
            "mesh": {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)},
            "device_ids": list(plan.device_ids), "inputs": list(plan.inputs),
            "outputs": list(plan.outputs), "notes": list(plan.notes)}
-    out.update({k: getattr(plan, k) for k in _PLAN_SCALARS})
+    out.update({k: getattr(plan, k) for k in _PLAN_SCALARS + _OPTIONAL_SCALARS})
+    out["collectives"] = [_coll_to(c) for c in plan.collectives]
     out["decisions"] = [_decision_to(d) for d in plan.decisions]
     return out
 
 
-def plan_from_dict(data: dict) -> ShardingPlan:
+def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
     if data.get("format") != FORMAT:
-        raise PlanError(f"jaxpar: not a plan file of format {FORMAT!r} "
+        raise PlanError(f"jaxpar: {source} is not a plan file of format {FORMAT!r} "
                         f"(found {data.get('format')!r}).")
     mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
                         data["search_mode"], tuple(_decision_from(d) for d in data["decisions"]),
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
                         **{k: data[k] for k in _PLAN_SCALARS if k not in ("parallel_mode",
-                                                                          "search_mode")})
+                                                                          "search_mode")},
+                        **{k: data.get(k) for k in _OPTIONAL_SCALARS},
+                        collectives=tuple(_coll_from(c) for c in data.get("collectives", ())))

@@ -1,9 +1,10 @@
-"""Choosing every node's strategy for a mode, and MindSpore's strategy checkpoint files.
+"""Choosing every node's strategy for a mode, MindSpore's strategy checkpoint files, and the
+:class:`ShardingPlan` that a choice makes (:func:`make_plan`: every node and edge priced).
 
 * ``stand_alone``: everything replicated on one device;
 * ``data_parallel`` and ``semi_auto_parallel``: sharding propagation from the pins;
-* ``auto_parallel``: ``sharding_propagation``, or one of the searches (``recursive_programming``,
-  ``dynamic_programming``, ``optimal``) over the coarse problem;
+* ``auto_parallel``: the registered search mode (``search/modes.py``: ``sharding_propagation``,
+  ``recursive_programming``, ``dynamic_programming``, ``optimal``);
 * ``strategy_ckpt_load_file``: the strategies of a saved plan, checked against this program,
   instead of any search (MindSpore's ``strategy_ckpt_load_file``); ``strategy_ckpt_save_file``
   writes the plan after planning.
@@ -11,43 +12,46 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxpar._src.context import ParallelMode, algo_parameters
+from jaxpar._src.cost import CostModel
 from jaxpar._src.errors import PlanError
-from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
+from jaxpar._src.plan_files import input_mismatch
 from jaxpar._src.rules import strategy_for_specs
-from jaxpar._src.search import Assignment, Pin, SearchSpace, propagate
-from jaxpar._src.search.auto import auto_search
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    assignment: Assignment
-    search_mode: str  # what decided: "none", "sharding_propagation", a search, or a file
-    report: Any = None  # SearchReport of an automatic search
-    details: Any = None  # per node: cost terms and runner-up
+from jaxpar._src.search import (
+    Assignment,
+    Pin,
+    SearchRequest,
+    SearchResult,
+    SearchSpace,
+    get_search,
+)
+from jaxpar._src.search.memory import peak_memory
 
 
 def decide(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]], *,
            mode: ParallelMode, search_mode: str, baseline_pins: Sequence[Pin] | None,
-           api: str) -> Decision:
+           api: str) -> SearchResult:
+    """Every searchable node's strategy for ``mode``: replicated (``stand_alone``),
+    propagated from the pins (``data_parallel``, ``semi_auto_parallel``), or searched by the
+    registered ``search_mode`` (``auto_parallel``)."""
     graph = space.graph
     if mode is ParallelMode.STAND_ALONE:
-        return Decision(Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
-                                   {n.id: "stand_alone" for n in graph.searchable()}), "none")
-    if mode is not ParallelMode.AUTO_PARALLEL or search_mode == "sharding_propagation":
-        return Decision(propagate(space, pins, ties=ties, where=api), "sharding_propagation")
-    algo = algo_parameters()
-    assignment, report, details = auto_search(
-        space, pins, search_mode=search_mode, ties=ties, baseline_pins=baseline_pins,
-        fully_use_devices=algo.fully_use_devices)
-    return Decision(assignment, search_mode, report, details)
+        return SearchResult(
+            Assignment({n.id: space.candidates(n.id)[0] for n in graph.searchable()},
+                       {n.id: "stand_alone" for n in graph.searchable()}), "none")
+    name = search_mode if mode is ParallelMode.AUTO_PARALLEL else "sharding_propagation"
+    request = SearchRequest(space, tuple(pins), tuple(ties),
+                            None if baseline_pins is None else tuple(baseline_pins),
+                            algo_parameters().fully_use_devices, api)
+    return get_search(name, where=api)(request)
 
 
-def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
+def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
     """The strategies of the plan saved at ``path``, checked node by node against this graph."""
     try:
         saved = ShardingPlan.load(path)
@@ -58,6 +62,12 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
     if saved.mesh != mesh:
         raise PlanError(f"{api}: the strategy file {path!r} was made for mesh {saved.mesh}, "
                         f"this program runs on mesh {mesh}.")
+    differs = input_mismatch(saved, graph)
+    if differs is not None:
+        raise PlanError(
+            f"{api}: the strategy file {path!r} does not match this program: {differs}. It was "
+            f"saved for other arguments: call with those, or plan this call afresh (unset "
+            f"strategy_ckpt_load_file; strategy_ckpt_save_file writes a new one).")
     if len(saved.decisions) != len(graph.nodes):
         raise PlanError(f"{api}: the strategy file {path!r} has {len(saved.decisions)} nodes; "
                         f"this program has {len(graph.nodes)}. It was made for another program "
@@ -70,7 +80,7 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
                 f"{api}: the strategy file {path!r} does not match this program at node "
                 f"{node.id}: here {node.kind} {node.name} {list(shapes)} ({node.source}), in the "
                 f"file {d.kind} {d.name} {[list(s) for s in d.out_shapes]}.")
-        if node.kind == "control":
+        if node.kind is NodeKind.CONTROL:
             continue
         specs = {("in", i): s for i, s in enumerate(d.in_specs)}
         specs.update({("out", j): s for j, s in enumerate(d.out_specs)})
@@ -80,4 +90,75 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> Decision:
                             f"({node.name} at {node.source}) layouts its rule does not allow.")
         strategies[node.id] = strategy
         origins[node.id] = f"loaded ({d.origin})" if d.origin else "loaded"
-    return Decision(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
+    return SearchResult(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
+
+
+def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
+              Sequence[int], parallel_mode: str, search_mode: str,
+              notes: Iterable[str] = (), details: Mapping[int, Any] | None = None,
+              report: Any = None) -> ShardingPlan:
+    """Assembles a plan from a search's assignment, pricing every node and edge.
+
+    ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
+    from the automatic searches.
+    """
+    model: CostModel = space.model
+    strategies = assignment.strategies
+    details = details or {}
+    decisions = []
+    for node in graph.nodes:
+        in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
+        out_shapes = tuple(graph.values[v].shape for v in node.outputs)
+        if node.kind is NodeKind.CONTROL:
+            decisions.append(OpDecision(node.id, "control", node.name, node.source, "",
+                                        in_shapes, out_shapes, (), (), "", node.weight, (), ()))
+            continue
+        strat = strategies[node.id]
+        own = model.op_collectives(strat, out_shapes,
+                                   [graph.values[v].dtype for v in node.outputs])
+        redists = []
+        for i, operand in enumerate(node.inputs):
+            if isinstance(operand, Const):
+                continue
+            value = graph.values[operand]
+            producer = value.producer
+            src = strategies[producer].out_specs[value.index]
+            dst = strat.in_specs[i]
+            if src == dst or producer == node.id:
+                continue
+            w = space.edge_weight(producer, node.id)
+            colls = model.redistribution(src, dst, value.shape, value.dtype)
+            redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
+                                          tuple(PredictedCollective.of(c, w) for c in colls)))
+        detail = details.get(node.id)
+        extra = {}
+        if detail is not None:
+            extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
+            if detail.runner_up is not None:
+                extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
+                extra["runner_up_extra_s"] = detail.runner_up_extra_s
+        decisions.append(OpDecision(
+            node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
+            strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
+            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
+            tuple(redists), flops=space.op_cost(node.id, strat).flops,
+            category=str(space.rule(node.id).category), **extra))
+    unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
+    notes = list(notes)
+    if unreached:
+        notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
+    hw = model.hw
+    priced = space.price(strategies)
+    stats: dict[str, Any] = {
+        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
+        "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
+        "memory_budget": float(hw.memory_per_device),
+        "collectives": tuple(PredictedCollective.issued(c) for c in priced.collectives),
+        "compute_s": priced.compute_s, "step_s": priced.step_s}
+    if report is not None:
+        notes.extend(report.notes)
+        stats.update(search_s=report.search_s, objective_s=report.objective_s,
+                     baseline_s=report.baseline_s, optimal=report.optimal)
+    return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
+                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes),
+                        **stats)

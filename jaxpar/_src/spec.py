@@ -89,7 +89,7 @@ class Spec:
     def from_partition_spec(cls, pspec: PartitionSpec | Sequence, ndim: int) -> Spec:
         """Reads a PartitionSpec already checked against the mesh (see ``strategy.py``)."""
         entries = list(pspec) + [None] * (ndim - len(pspec))
-        dims = []
+        dims: list[tuple[str, ...]] = []
         for e in entries:
             if e is None:
                 dims.append(())

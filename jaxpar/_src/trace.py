@@ -1,9 +1,11 @@
 """Tracing a function to an :class:`OpGraph`.
 
 ``jax.make_jaxpr`` gives the program; nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
-``checkpoint`` and ``closed_call`` bodies are inlined (the jaxpr is already differentiated, so
-their custom rules have done their work), while ``scan``, ``while`` and ``cond`` stay units whose
-bodies join the graph behind ``enter``/``exit`` pseudo-operators.  Dead equations are dropped.
+``closed_call`` and ``jax.checkpoint`` (``remat2``) bodies are inlined (the jaxpr is already
+differentiated, so their custom rules have done their work; a checkpoint body is also recorded
+as a :class:`RematBlock`, so that lowering keeps its recomputation), while ``scan``, ``while``
+and ``cond`` stay units whose bodies join the graph behind ``enter``/``exit`` pseudo-operators.
+Dead equations are dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +18,21 @@ import jax
 import jax.extend.core as jcore
 
 from jaxpar._src.compat import scan_counts, source_location
-from jaxpar._src.graph import Const, Node, Operand, OpGraph, Value, build_consumers
+from jaxpar._src.graph import (
+    CondRegion,
+    Const,
+    Crossing,
+    Node,
+    NodeKind,
+    Operand,
+    OpGraph,
+    RematBlock,
+    Role,
+    ScanRegion,
+    Value,
+    WhileRegion,
+    build_consumers,
+)
 
 # Call-like primitives whose body is inlined, and where their body lives in ``eqn.params``.
 _INLINE = {
@@ -27,9 +43,9 @@ _INLINE = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "checkpoint": "jaxpr",
-    "remat": "jaxpr",
 }
+# ``jax.checkpoint``: ``remat2`` in JAX 0.10 and 0.11 (``checkpoint`` in older releases).
+_REMAT = ("remat2", "checkpoint", "remat")
 
 WHILE_TRIP_ESTIMATE = 1.0  # a while loop's trip count is unknown when planning
 
@@ -97,10 +113,14 @@ class _Builder:
     def __init__(self) -> None:
         self.nodes: list[dict[str, Any]] = []
         self.values: list[Value] = []
+        self.remats: list[RematBlock] = []
 
     # -- construction -------------------------------------------------------------------------
-    def _node(self, kind: str, name: str, inputs: Sequence[Operand], out_avals: Sequence[Any],
-              seq: list[int], **fields: Any) -> tuple[int, list[int]]:
+    # Nodes are dicts of Node's fields until _finish renumbers them; a control node's region
+    # is a dict of lists (its exits are added as they are made), an enter or exit node's
+    # crossing a (control, role, index) triple.
+    def _node(self, kind: NodeKind, name: str, inputs: Sequence[Operand],
+              out_avals: Sequence[Any], seq: list[int], **fields: Any) -> tuple[int, list[int]]:
         nid = len(self.nodes)
         outs = []
         for j, aval in enumerate(out_avals):
@@ -119,22 +139,25 @@ class _Builder:
         jaxpr = closed.jaxpr
         inputs = []
         for var, path in zip(jaxpr.invars, in_paths, strict=True):
-            nid, (vid,) = self._node("input", "input", (), [var.aval], order, label=path)
+            nid, (vid,) = self._node(NodeKind.INPUT, "input", (), [var.aval], order,
+                                     label=path)
             env[var] = vid
             inputs.append(nid)
         self._bind_consts(jaxpr.constvars, closed.consts, env, order, 1.0, None)
         self._walk(jaxpr, env, order, 1.0, None)
         outputs = []
         for var, path in zip(jaxpr.outvars, out_paths, strict=True):
-            nid, _ = self._node("output", "output", [self._read(env, var)], (), order, label=path)
+            nid, _ = self._node(NodeKind.OUTPUT, "output", [self._read(env, var)], (), order,
+                                label=path)
             outputs.append(nid)
         return self._finish(order, inputs, outputs)
 
     def _bind_consts(self, constvars: Sequence[Any], consts: Sequence[Any], env: dict,
-                     seq: list[int], weight: float, region: int | None) -> None:
+                     seq: list[int], weight: float, region: int | None,
+                     remat: int | None = None) -> None:
         for var, val in zip(constvars, consts, strict=True):
-            nid, (vid,) = self._node("const", "const", (), [var.aval], seq, weight=weight,
-                                     region=region, params={"value": val})
+            nid, (vid,) = self._node(NodeKind.CONST, "const", (), [var.aval], seq, weight=weight,
+                                     region=region, constant=val, remat=remat)
             env[var] = vid
 
     @staticmethod
@@ -145,145 +168,161 @@ class _Builder:
         return env[var]
 
     def _walk(self, jaxpr: jcore.Jaxpr, env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None = None) -> None:
+        """Adds ``jaxpr``'s equations to ``seq``; ``remat``: the checkpoint block they are in
+        (nodes of loop bodies are not: their sequence is the body's)."""
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = [self._read(env, v) for v in eqn.invars]
             key = _INLINE.get(name)
             if key is not None and key in eqn.params:
-                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region)
+                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region, remat)
+            elif name in _REMAT and "jaxpr" in eqn.params:
+                block = self._remat_block(eqn, ins, remat)
+                self._inline(eqn.params["jaxpr"], ins, eqn.outvars, env, seq, weight, region,
+                             block)
             elif name == "scan":
-                self._scan(eqn, ins, env, seq, weight, region)
+                self._scan(eqn, ins, env, seq, weight, region, remat)
             elif name == "while":
-                self._while(eqn, ins, env, seq, weight, region)
+                self._while(eqn, ins, env, seq, weight, region, remat)
             elif name == "cond":
-                self._cond(eqn, ins, env, seq, weight, region)
+                self._cond(eqn, ins, env, seq, weight, region, remat)
             else:
-                _, outs = self._node("op", name, ins, [v.aval for v in eqn.outvars], seq,
+                _, outs = self._node(NodeKind.OP, name, ins, [v.aval for v in eqn.outvars], seq,
                                      eqn=eqn, source=source_location(eqn), weight=weight,
-                                     region=region)
+                                     region=region, remat=remat)
                 for var, vid in zip(eqn.outvars, outs, strict=True):
                     env[var] = vid
 
     def _inline(self, sub: Any, ins: Sequence[Operand], outvars: Sequence[Any], env: dict,
-                seq: list[int], weight: float, region: int | None) -> None:
+                seq: list[int], weight: float, region: int | None, remat: int | None) -> None:
         inner, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
         sub_env: dict[Any, Operand] = dict(zip(inner.invars, ins, strict=True))
-        self._bind_consts(inner.constvars, consts, sub_env, seq, weight, region)
-        self._walk(inner, sub_env, seq, weight, region)
+        self._bind_consts(inner.constvars, consts, sub_env, seq, weight, region, remat)
+        self._walk(inner, sub_env, seq, weight, region, remat)
         for var, inner_var in zip(outvars, inner.outvars, strict=True):
             env[var] = self._read(sub_env, inner_var)
 
+    def _remat_block(self, eqn: Any, ins: Sequence[Operand], parent: int | None) -> int:
+        """Records a checkpoint body: which of its inputs JAX's lowering puts behind an
+        optimization barrier (``prevent_cse``, once differentiated)."""
+        p = eqn.params
+        prevent = p.get("prevent_cse", True)
+        if not isinstance(prevent, tuple):
+            prevent = (prevent,) * len(ins)
+        differentiated = bool(p.get("differentiated", False))
+        block = len(self.remats)
+        self.remats.append(RematBlock(block, tuple(ins),
+                                      tuple(differentiated and bool(x) for x in prevent),
+                                      parent))
+        return block
+
     # -- control flow -------------------------------------------------------------------------
     def _control(self, eqn: Any, ins: Sequence[Operand], seq: list[int], weight: float,
-                 region: int | None) -> int:
-        nid, _ = self._node("control", eqn.primitive.name, ins, (), seq, eqn=eqn,
-                            source=source_location(eqn), weight=weight, region=region)
+                 region: int | None, remat: int | None, **structure: Any) -> int:
+        nid, _ = self._node(NodeKind.CONTROL, eqn.primitive.name, ins, (), seq, eqn=eqn,
+                            source=source_location(eqn), weight=weight, region=region,
+                            remat=remat, structure=dict(structure, exits=[]))
         return nid
 
-    def _enter(self, role: str, operand: Operand, aval: Any, cid: int, seq: list[int],
-               weight: float, index: int, source: str) -> int:
-        _, (vid,) = self._node("enter", role, [operand], [aval], seq, weight=weight, region=cid,
-                               params={"index": index}, source=source)
+    def _enter(self, role: Role, operand: Operand, aval: Any, cid: int, seq: list[int],
+               weight: float, index: int, group: str) -> int:
+        """An enter node, listed in its control node's region under ``group``."""
+        nid, (vid,) = self._node(NodeKind.ENTER, role, [operand], [aval], seq, weight=weight,
+                                 region=cid, crossing=(cid, role, index),
+                                 source=self.nodes[cid]["source"])
+        self.nodes[cid]["structure"][group].append(nid)
         return vid
 
-    def _exit(self, role: str, operands: Sequence[Operand], aval: Any, cid: int,
-              outer_seq: list[int], weight: float, index: int, source: str) -> int:
-        nid, (vid,) = self._node("exit", role, operands, [aval], outer_seq, weight=weight,
-                                 params={"index": index, "control": cid}, source=source,
-                                 region=self.nodes[cid].get("region"))
-        self.nodes[cid].setdefault("params", {}).setdefault("exits", []).append(nid)
+    def _exit(self, role: Role, operands: Sequence[Operand], aval: Any, cid: int,
+              outer_seq: list[int], weight: float, index: int) -> int:
+        control = self.nodes[cid]
+        nid, (vid,) = self._node(NodeKind.EXIT, role, operands, [aval], outer_seq, weight=weight,
+                                 crossing=(cid, role, index), source=control["source"],
+                                 region=control.get("region"), remat=control.get("remat"))
+        control["structure"]["exits"].append(nid)
         return vid
 
     def _scan(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None) -> None:
         p = eqn.params
         body = p["jaxpr"]
         nc, nk = scan_counts(p)
-        cid = self._control(eqn, ins, seq, weight, region)
-        src = self.nodes[cid]["source"]
-        inner_w = weight * max(int(p["length"]), 1)
         body_seq: list[int] = []
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="scan", body=body_seq,
+                            consts=[], carries=[], xs=[])
+        inner_w = weight * max(int(p["length"]), 1)
         benv: dict[Any, Operand] = {}
-        carry_nodes = []
         for i, var in enumerate(body.jaxpr.invars):
-            if i < nc:
-                benv[var] = self._enter("const", ins[i], var.aval, cid, body_seq, inner_w, i, src)
-            elif i < nc + nk:
-                benv[var] = self._enter("carry", ins[i], var.aval, cid, body_seq, inner_w, i, src)
-                carry_nodes.append(len(self.nodes) - 1)
-            else:
-                benv[var] = self._enter("xs", ins[i], var.aval, cid, body_seq, inner_w, i, src)
+            role, group = ((Role.CONST, "consts") if i < nc else
+                           (Role.CARRY, "carries") if i < nc + nk else (Role.XS, "xs"))
+            benv[var] = self._enter(role, ins[i], var.aval, cid, body_seq, inner_w, i, group)
         self._bind_consts(body.jaxpr.constvars, body.consts, benv, body_seq, inner_w, cid)
         self._walk(body.jaxpr, benv, body_seq, inner_w, cid)
         outs = [self._read(benv, v) for v in body.jaxpr.outvars]
-        for k, node_id in enumerate(carry_nodes):
+        for k, node_id in enumerate(self.nodes[cid]["structure"]["carries"]):
             self.nodes[node_id]["inputs"].append(outs[k])  # the back edge
-        self.nodes[cid]["params"] = {"body": body_seq, "carry_nodes": carry_nodes}
         for j, var in enumerate(eqn.outvars):
-            role = "carry_out" if j < nk else "ys"
-            env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j, src)
+            role = Role.CARRY_OUT if j < nk else Role.YS
+            env[var] = self._exit(role, [outs[j]], var.aval, cid, seq, weight, j)
 
     def _while(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-               region: int | None) -> None:
+               region: int | None, remat: int | None) -> None:
         p = eqn.params
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cid = self._control(eqn, ins, seq, weight, region)
-        src = self.nodes[cid]["source"]
-        inner_w = weight * WHILE_TRIP_ESTIMATE
         enter_seq: list[int] = []
         cond_seq: list[int] = []
         body_seq: list[int] = []
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="while", cond=cond_seq,
+                            body=body_seq, carries=[], cond_consts=[], body_consts=[])
+        inner_w = weight * WHILE_TRIP_ESTIMATE
         carries = ins[cn + bn:]
-        carry_vals, carry_nodes = [], []
-        for k, (operand, var) in enumerate(zip(carries, bj.jaxpr.invars[bn:], strict=True)):
-            carry_vals.append(self._enter("carry", operand, var.aval, cid, enter_seq, inner_w,
-                                          cn + bn + k, src))
-            carry_nodes.append(len(self.nodes) - 1)
+        carry_vals = [self._enter(Role.CARRY, operand, var.aval, cid, enter_seq, inner_w,
+                                  cn + bn + k, "carries")
+                      for k, (operand, var) in enumerate(zip(carries, bj.jaxpr.invars[bn:],
+                                                             strict=True))]
         cenv: dict[Any, Operand] = {}
         for i, var in enumerate(cj.jaxpr.invars[:cn]):
-            cenv[var] = self._enter("const", ins[i], var.aval, cid, cond_seq, inner_w, i, src)
+            cenv[var] = self._enter(Role.CONST, ins[i], var.aval, cid, cond_seq, inner_w, i,
+                                    "cond_consts")
         cenv.update(zip(cj.jaxpr.invars[cn:], carry_vals, strict=True))
         self._bind_consts(cj.jaxpr.constvars, cj.consts, cenv, cond_seq, inner_w, cid)
         self._walk(cj.jaxpr, cenv, cond_seq, inner_w, cid)
-        predicate = self._read(cenv, cj.jaxpr.outvars[0])
+        self.nodes[cid]["structure"]["predicate"] = self._read(cenv, cj.jaxpr.outvars[0])
         benv: dict[Any, Operand] = {}
         for i, var in enumerate(bj.jaxpr.invars[:bn]):
-            benv[var] = self._enter("const", ins[cn + i], var.aval, cid, body_seq, inner_w,
-                                    cn + i, src)
+            benv[var] = self._enter(Role.CONST, ins[cn + i], var.aval, cid, body_seq, inner_w,
+                                    cn + i, "body_consts")
         benv.update(zip(bj.jaxpr.invars[bn:], carry_vals, strict=True))
         self._bind_consts(bj.jaxpr.constvars, bj.consts, benv, body_seq, inner_w, cid)
         self._walk(bj.jaxpr, benv, body_seq, inner_w, cid)
         outs = [self._read(benv, v) for v in bj.jaxpr.outvars]
-        for k, node_id in enumerate(carry_nodes):
-            self.nodes[node_id]["inputs"].append(outs[k])
-        self.nodes[cid]["params"] = {"enter": enter_seq, "cond": cond_seq, "body": body_seq,
-                                     "carry_nodes": carry_nodes, "predicate": predicate}
+        for k, node_id in enumerate(self.nodes[cid]["structure"]["carries"]):
+            self.nodes[node_id]["inputs"].append(outs[k])  # the back edge
         for j, var in enumerate(eqn.outvars):
-            env[var] = self._exit("carry_out", [outs[j]], var.aval, cid, seq, weight, j, src)
+            env[var] = self._exit(Role.CARRY_OUT, [outs[j]], var.aval, cid, seq, weight, j)
 
     def _cond(self, eqn: Any, ins: list[Operand], env: dict, seq: list[int], weight: float,
-              region: int | None) -> None:
+              region: int | None, remat: int | None) -> None:
         branches = eqn.params["branches"]
-        cid = self._control(eqn, ins, seq, weight, region)
-        src = self.nodes[cid]["source"]
+        branch_seqs: list[list[int]] = [[] for _ in branches]
+        cid = self._control(eqn, ins, seq, weight, region, remat, kind="cond",
+                            branches=branch_seqs, operands=[])
         enter_seq: list[int] = []
-        operands = [self._enter("operand", op, var.aval, cid, enter_seq, weight, i + 1, src)
+        operands = [self._enter(Role.OPERAND, op, var.aval, cid, enter_seq, weight, i + 1,
+                                "operands")
                     for i, (op, var) in enumerate(zip(ins[1:], branches[0].jaxpr.invars,
                                                       strict=True))]
-        branch_seqs, branch_outs = [], []
-        for br in branches:
-            bseq: list[int] = []
+        branch_outs = []
+        for br, bseq in zip(branches, branch_seqs, strict=True):
             benv: dict[Any, Operand] = dict(zip(br.jaxpr.invars, operands, strict=True))
             self._bind_consts(br.jaxpr.constvars, br.consts, benv, bseq, weight, cid)
             self._walk(br.jaxpr, benv, bseq, weight, cid)
-            branch_seqs.append(bseq)
             branch_outs.append([self._read(benv, v) for v in br.jaxpr.outvars])
-        self.nodes[cid]["params"] = {"enter": enter_seq, "branches": branch_seqs}
         for j, var in enumerate(eqn.outvars):
             merged = [outs[j] for outs in branch_outs]
-            env[var] = self._exit("merge", merged, var.aval, cid, seq, weight, j, src)
+            env[var] = self._exit(Role.MERGE, merged, var.aval, cid, seq, weight, j)
 
     # -- dead-code elimination and freezing ---------------------------------------------------
     def _finish(self, order: list[int], inputs: list[int], outputs: list[int]) -> OpGraph:
@@ -310,21 +349,20 @@ class _Builder:
             d["outputs"] = tuple(vmap[v] for v in d["outputs"])
             if d.get("region") is not None:
                 d["region"] = remap[d["region"]]
-            params = dict(d.get("params", {}))
-            if d["kind"] == "control":
-                for key in ("body", "cond", "enter", "carry_nodes", "exits"):
-                    if key in params:
-                        params[key] = ids(params[key])
-                if "branches" in params:
-                    params["branches"] = [ids(b) for b in params["branches"]]
-                if "predicate" in params:
-                    params["predicate"] = operand(params["predicate"])
-            if d["kind"] == "exit":
-                params["control"] = remap[params["control"]]
-            d["params"] = params
+            if d.get("crossing") is not None:
+                control, role, index = d["crossing"]
+                d["crossing"] = Crossing(remap[control], role, index)
+            if d.get("structure") is not None:
+                d["structure"] = _freeze_region(d["structure"], ids, operand, self.nodes)
             nodes.append(Node(**d))
+        remats = []
+        for block in self.remats:  # inputs that only dead code read are gone
+            kept = [(o, b) for o, b in zip(block.inputs, block.barrier, strict=True)
+                    if isinstance(o, Const) or o in vmap]
+            remats.append(dataclasses.replace(block, inputs=tuple(operand(o) for o, _ in kept),
+                                              barrier=tuple(b for _, b in kept)))
         return OpGraph(tuple(nodes), tuple(values), tuple(ids(order)), tuple(ids(inputs)),
-                       tuple(ids(outputs)), build_consumers(nodes, len(values)))
+                       tuple(ids(outputs)), build_consumers(nodes, len(values)), tuple(remats))
 
     def _live(self) -> set[int]:
         """Nodes that an output, an effect or a kept structure depends on."""
@@ -333,8 +371,8 @@ class _Builder:
         for n in self.nodes:
             eqn = n.get("eqn")
             effectful = eqn is not None and bool(getattr(eqn, "effects", None))
-            if n["kind"] in ("input", "output", "enter", "exit", "control") or effectful:
-                work.append(n["id"])
+            if n["kind"] is not NodeKind.OP and n["kind"] is not NodeKind.CONST or effectful:
+                work.append(n["id"])  # the boundary and control structure always stay
         while work:
             nid = work.pop()
             if nid in keep:
@@ -342,10 +380,26 @@ class _Builder:
             keep.add(nid)
             n = self.nodes[nid]
             deps = list(n["inputs"])
-            if n["kind"] == "control" and "predicate" in n.get("params", {}):
-                deps.append(n["params"]["predicate"])
+            if n["kind"] is NodeKind.CONTROL and "predicate" in n["structure"]:
+                deps.append(n["structure"]["predicate"])
             for o in deps:
                 if isinstance(o, int):
                     work.append(self.values[o].producer)
         return keep
 
+
+
+def _freeze_region(region: dict[str, Any], ids: Callable[[Sequence[int]], list[int]],
+                   operand: Callable[[Operand], Operand], nodes: list[dict[str, Any]]
+                   ) -> ScanRegion | WhileRegion | CondRegion:
+    """A control node's region, renumbered, its exits by result position."""
+    def seq(key: str) -> tuple[int, ...]:
+        return tuple(ids(region[key]))
+
+    exits = tuple(ids(sorted(region["exits"], key=lambda e: nodes[e]["crossing"][2])))
+    if region["kind"] == "scan":
+        return ScanRegion(seq("body"), seq("consts"), seq("carries"), seq("xs"), exits)
+    if region["kind"] == "while":
+        return WhileRegion(seq("carries"), seq("cond_consts"), seq("body_consts"), seq("cond"),
+                           seq("body"), operand(region["predicate"]), exits)
+    return CondRegion(seq("operands"), tuple(tuple(ids(b)) for b in region["branches"]), exits)

@@ -92,4 +92,7 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     if os.environ.get("JAXPAR_TEST_FAIL_RANK") == str(jaxpar.get_rank()):
         raise RuntimeError(f"injected failure on rank {jaxpar.get_rank()}")
+    if os.environ.get("JAXPAR_TEST_EXIT_RANK") == str(jaxpar.get_rank()):
+        print(f"rank {jaxpar.get_rank()} exits with status 3", flush=True)
+        sys.exit(3)  # no exception: without the runner it would wait in the shutdown barrier
     main(sys.argv[1])

@@ -33,14 +33,25 @@ from jaxpar._src.tracing_state import replica_axes
 
 
 class LossScaleState(NamedTuple):
-    """The loss scale and the number of overflow-free steps since it last changed."""
+    """The loss scale and the number of overflow-free steps since it last changed.
+
+    >>> import jaxpar
+    >>> state = jaxpar.FixedLossScaleManager(1024.0).init()
+    >>> float(state.scale), int(state.good_steps)
+    (1024.0, 0)
+    """
 
     scale: jax.Array
     good_steps: jax.Array
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """``True`` when every float in ``tree`` is finite (agreed over replicas, if any)."""
+    """``True`` when every float in ``tree`` is finite (agreed over replicas, if any).
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> bool(jaxpar.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}))
+    False
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves \
         else jnp.asarray(True)
@@ -51,6 +62,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 class _Manager:
+    _initial: float  # the first loss scale
+
     def init(self) -> LossScaleState:
         return LossScaleState(jnp.asarray(self._initial, jnp.float32), jnp.asarray(0, jnp.int32))
 
@@ -86,7 +99,15 @@ class _Manager:
 
 
 class FixedLossScaleManager(_Manager):
-    """A constant scale; with ``drop_overflow_update`` an overflowing step is skipped."""
+    """A constant scale; with ``drop_overflow_update`` an overflowing step is skipped.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> manager = jaxpar.FixedLossScaleManager(128.0)
+    >>> state = manager.init()
+    >>> grads, finite, state = manager.apply({"w": jnp.full(2, 256.0)}, state)
+    >>> grads["w"].tolist(), bool(finite), float(state.scale)
+    ([2.0, 2.0], True, 128.0)
+    """
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
         if not loss_scale >= 1:
@@ -104,7 +125,15 @@ class FixedLossScaleManager(_Manager):
 
 class DynamicLossScaleManager(_Manager):
     """A scale that falls by ``scale_factor`` on overflow (the step is skipped) and rises by it
-    after ``scale_window`` overflow-free steps."""
+    after ``scale_window`` overflow-free steps.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> manager = jaxpar.DynamicLossScaleManager(init_loss_scale=1024.0, scale_factor=2.0)
+    >>> state = manager.init()
+    >>> _, finite, state = manager.apply({"w": jnp.array([jnp.inf])}, state)  # overflow
+    >>> bool(finite), float(state.scale)  # the step is skipped and the scale halves
+    (False, 512.0)
+    """
 
     def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: float = 2.0,
                  scale_window: int = 2000) -> None:

@@ -84,6 +84,11 @@ def auto_mixed_precision(network: Any, amp_level: str = "O2", dtype: Any = jnp.b
         wraps it; its parameters stay float32 in the original module).
       amp_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (module docstring).
       dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> net = jaxpar.auto_mixed_precision(lambda w, x: x @ w, amp_level="O2")
+    >>> net(jnp.ones((4, 2)), jnp.ones((3, 4))).dtype  # computed in bfloat16, returned in float32
+    dtype('float32')
     """
     if amp_level not in LEVELS:
         raise ContextError(f"auto_mixed_precision: amp_level must be one of {list(LEVELS)}, got "

@@ -29,7 +29,15 @@ Row = tuple[np.ndarray, ...]
 
 
 class Dataset:
-    """A stage of the pipeline; iterate it for one epoch of rows (tuples in column order)."""
+    """A stage of the pipeline; iterate it for one epoch of rows (tuples in column order).
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> data = ds.NumpySlicesDataset(np.arange(10), column_names=["x"])
+    >>> data = data.map(lambda x: x * 2).batch(4, drop_remainder=True)
+    >>> [batch[0].tolist() for batch in data], len(data)
+    ([[0, 2, 4, 6], [8, 10, 12, 14]], 2)
+    """
 
     column_names: tuple[str, ...]
     num_shards: int | None = None  # of the source, for global_batches across processes
@@ -95,8 +103,8 @@ class MapDataset(_Stage):
     def __init__(self, parent: Dataset, operations: Callable | Sequence[Callable],
                  input_columns: Any, output_columns: Any) -> None:
         super().__init__(parent)
-        self.operations = list(operations) if isinstance(operations, (list, tuple)) \
-            else [operations]
+        self.operations: list[Callable] = [operations] if callable(operations) \
+            else list(operations)
         if not self.operations or not all(callable(f) for f in self.operations):
             raise DatasetError(f"Dataset.map: operations must be callables, got {operations!r}.")
         inputs = _names(input_columns) or parent.column_names[:1]

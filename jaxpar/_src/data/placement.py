@@ -23,7 +23,7 @@ its tile (``jax.make_array_from_callback``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,17 @@ def _mesh(mesh: Mesh | None, strategy: Any = None) -> Mesh:
 
 def column_sharding(shape: Sequence[int], mesh: Mesh, strategy: Any, column: int,
                     global_rows: int | None = None) -> NamedSharding:
-    """The sharding of one batch column under ``strategy``."""
+    """The sharding of one batch column under ``strategy``.
+
+    >>> import jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar import dataset as ds
+    >>> mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    >>> ds.column_sharding((16, 3), mesh, "data_parallel", 0).spec == P(("dp", "mp"))
+    True
+    >>> ds.column_sharding((16, 3), mesh, "full_batch", 0).spec == P()
+    True
+    """
     from jaxpar._src.strategy import normalize
 
     shape = tuple(shape)
@@ -92,6 +102,12 @@ def to_global(batch: Any, mesh: Mesh | None = None, *, strategy: Any = None,
       strategy: default the context's ``dataset_strategy``.
       sharded: across processes, whether each process holds only its own rows (its dataset was
         built with ``num_shards``/``shard_id``) rather than the whole batch.
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> x, y = ds.to_global((np.zeros((16, 3)), np.zeros(16)))  # the context's dataset_strategy
+    >>> x.shape, len(x.sharding.device_set)
+    ((16, 3), 8)
     """
     strategy = check_dataset_strategy(
         strategy if strategy is not None else current_context().dataset_strategy)
@@ -115,7 +131,7 @@ def to_global(batch: Any, mesh: Mesh | None = None, *, strategy: Any = None,
         else:
             sharding = column_sharding(local.shape, mesh, strategy, k)
             out.append(jax.make_array_from_callback(local.shape, sharding,
-                                                    lambda idx, a=local: a[idx]))
+                                                    local.__getitem__))
     return out[0] if single else tuple(out)
 
 
@@ -139,7 +155,8 @@ def process_shard(mesh: Mesh | None = None, *, strategy: Any = None) -> dict[str
     n = int(mesh.devices.size)
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     blocks: dict[int, set[int]] = {}
-    for device, index in sharding.devices_indices_map((n,)).items():
+    indices: Mapping[Any, Any] = sharding.devices_indices_map((n,))  # jax.Device -> slices
+    for device, index in indices.items():
         blocks.setdefault(device.process_index, set()).add(index[0].start or 0)
     groups = sorted({tuple(sorted(b)) for b in blocks.values()})
     mine = tuple(sorted(blocks[jax.process_index()]))

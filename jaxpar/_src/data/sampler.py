@@ -36,11 +36,16 @@ def check_shards(num_shards: int | None, shard_id: int | None, where: str) -> No
 
 def shard_indices(n: int, num_shards: int | None = None, shard_id: int | None = None, *,
                   shuffle: bool = False, seed: int = 0, epoch: int = 0) -> np.ndarray:
-    """The row indices one shard reads in one epoch."""
+    """The row indices one shard reads in one epoch.
+
+    >>> from jaxpar import dataset as ds
+    >>> ds.shard_indices(10, num_shards=3, shard_id=2).tolist()  # ceil(10 / 3) rows, wrapping
+    [2, 5, 8, 1]
+    """
     order = np.arange(n)
     if shuffle:
         order = np.random.default_rng(seed + epoch).permutation(n)
     if num_shards is None:
         return order
     per = -(-n // num_shards)
-    return order[(np.arange(per) * num_shards + shard_id) % n]
+    return order[(np.arange(per) * num_shards + (shard_id or 0)) % n]

@@ -55,6 +55,13 @@ class NumpySlicesDataset(_Source):
         distributed sampler: ``ceil(N / num_shards)`` rows, a short shard wraps around).
       shuffle: a new order every epoch (the same in every shard, so they stay disjoint).
       seed: the shuffle's seed; default :func:`jaxpar.set_seed`'s (else 0).
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> data = ds.NumpySlicesDataset({"x": np.zeros((6, 2)), "y": np.arange(6)},
+    ...                              num_shards=2, shard_id=1)
+    >>> data.column_names, [int(y) for _, y in data]
+    (('x', 'y'), [1, 3, 5])
     """
 
     def __init__(self, data: Any, column_names: Sequence[str] | None = None,
@@ -99,6 +106,15 @@ class GeneratorDataset(_Source):
     is read in order; its shard keeps every ``num_shards``-th row (without wrap-around: its
     length is unknown until it ends), and it cannot be shuffled here (use ``.shuffle(buffer)``).
     Each item is a tuple (one value per column) or a single value (one column).
+
+    >>> import numpy as np
+    >>> from jaxpar import dataset as ds
+    >>> def rows():
+    ...     for i in range(5):
+    ...         yield np.float32(i), np.int32(i % 2)
+    >>> data = ds.GeneratorDataset(rows, column_names=["x", "label"]).batch(2)
+    >>> [b[1].tolist() for b in data]
+    [[0, 1], [0, 1], [0]]
     """
 
     def __init__(self, source: Any, column_names: str | Sequence[str] = ("column_0",),
@@ -125,7 +141,7 @@ class GeneratorDataset(_Source):
         n = sum(1 for _ in self._items())  # a generator: count it
         if self.num_shards is None:
             return n
-        return len(range(self.shard_id, n, self.num_shards))
+        return len(range(self.shard_id or 0, n, self.num_shards))
 
     def _items(self) -> Iterator[Any]:
         source = self.source

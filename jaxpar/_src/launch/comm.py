@@ -27,6 +27,8 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
 
 import jax
 
@@ -87,6 +89,11 @@ def init(backend_name: str | None = None) -> None:
 
     ``backend_name`` is accepted for MindSpore compatibility (``"hccl"``, ``"nccl"``) and
     ignored: XLA picks the collectives of the platform (gloo on CPU).
+
+    >>> import jaxpar
+    >>> jaxpar.init()  # in a process started by jaxpar run: joins the job; alone: nothing to do
+    >>> jaxpar.get_group_size()
+    1
     """
     del backend_name
     env = cluster_env()
@@ -96,7 +103,7 @@ def init(backend_name: str | None = None) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):  # pragma: no cover - a JAX without the option
         pass
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if env.local_device_ids is not None:
         kwargs["local_device_ids"] = list(env.local_device_ids)
     jax.distributed.initialize(
@@ -114,7 +121,7 @@ def _exit_at_once_on_crash() -> None:
     """After the traceback is printed, leave without the shutdown barrier of ``atexit``."""
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -129,15 +136,30 @@ def _initialized() -> bool:
 
 
 def get_rank() -> int:
-    """This process's rank (``jax.process_index()``)."""
+    """This process's rank (``jax.process_index()``).
+
+    >>> import jaxpar
+    >>> jaxpar.get_rank()  # one process
+    0
+    """
     return jax.process_index()
 
 
 def get_group_size() -> int:
-    """The number of processes (``jax.process_count()``)."""
+    """The number of processes (``jax.process_count()``).
+
+    >>> import jaxpar
+    >>> jaxpar.get_group_size()
+    1
+    """
     return jax.process_count()
 
 
 def get_local_rank() -> int:
-    """This process's index on its host (set by ``jaxpar run``; 0 otherwise)."""
+    """This process's index on its host (set by ``jaxpar run``; 0 otherwise).
+
+    >>> import jaxpar
+    >>> jaxpar.get_local_rank()
+    0
+    """
     return int(os.environ.get("JAXPAR_LOCAL_RANK", 0))

@@ -120,7 +120,7 @@ def _resources(cpu: str | None, memory: str | None, gpu: int | None) -> dict[str
 # -- validation -------------------------------------------------------------------------------
 def validate(manifest: dict[str, Any]) -> None:
     """Raises :class:`ManifestError` listing every problem, or returns ``None``."""
-    kind = manifest.get("kind")
+    kind = str(manifest.get("kind"))
     schema_file = {"JAXJob": "jaxjob.schema.json", "TrainJob": "trainjob.schema.json"}.get(kind)
     if schema_file is None:
         raise ManifestError(f"jaxpar k8s: kind {kind!r} is not JAXJob or TrainJob.")
@@ -209,6 +209,13 @@ def _name_rules(m: dict[str, Any]) -> list[str]:
 
 def _container_rules(c: dict[str, Any], where: str) -> list[str]:
     out = []
+    resources = c.get("resources", c.get("resourcesPerNode"))
+    for part in ("limits", "requests"):
+        amounts = resources.get(part) if isinstance(resources, dict) else None
+        for name, value in (amounts or {}).items():
+            if not _positive_quantity(value):
+                out.append(f"{where}.resources.{part}: {name}={value!r} is not a positive "
+                           f"Kubernetes quantity (e.g. cpu 4 or 500m, memory 16Gi)")
     for e in c.get("env", []) or []:
         if isinstance(e, dict) and isinstance(e.get("name"), str) and \
                 not ENV_NAME.match(e["name"]):
@@ -218,6 +225,23 @@ def _container_rules(c: dict[str, Any], where: str) -> list[str]:
         if isinstance(port, int) and not 0 < port < 65536:
             out.append(f"{where}.ports: containerPort {port} is not in 1-65535")
     return out
+
+
+QUANTITY = re.compile(r"^\+?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[KMGTPE]i|[mkMGTPE])?$")
+
+
+def _positive_quantity(value: Any) -> bool:
+    """A Kubernetes resource quantity above zero: ``4``, ``0.5``, ``500m``, ``16Gi``.
+
+    >>> [_positive_quantity(q) for q in ("4", "500m", "16Gi", 2, "-3", "0", "4 cores")]
+    [True, True, True, True, False, False, False]
+    """
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value > 0
+    match = QUANTITY.match(value) if isinstance(value, str) else None
+    return match is not None and float(match.group(1)) > 0
 
 
 def to_yaml(manifest: dict[str, Any]) -> str:
@@ -261,6 +285,12 @@ def command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if not sep:
             parser.error(f"--env takes KEY=VALUE, got {item!r}")
         env.append((key, value))
+    for flag, value in (("--workers", args.workers), ("--devices-per-worker",
+                                                       args.devices_per_worker)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.gpu is not None and args.gpu < 0:
+        parser.error(f"--gpu must be 0 or more, got {args.gpu}")
     build = trainjob if args.trainer_v2 else jaxjob
     options = dict(workers=args.workers, devices_per_worker=args.devices_per_worker,
                    cpu=args.cpu, memory=args.memory, gpu=args.gpu, namespace=args.namespace,

@@ -5,7 +5,9 @@ Each process gets ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_P
 device count (``JAX_NUM_CPU_DEVICES`` on CPU).  Output goes to ``<log-dir>/worker_<rank>.log``;
 the host's first rank is also streamed to the terminal.  When a rank fails, the launcher stops
 the others (SIGTERM to each process group, SIGKILL after a grace period), names the rank, its
-exit status and the tail of its log, and exits non-zero.  A timeout and Ctrl-C stop everything
+exit status and the tail of its log, and exits non-zero.  Each rank runs its script through
+``rank.py``, so that a non-zero exit (``sys.exit(3)``) leaves at once rather than waiting in JAX's
+shutdown barrier for ranks that wait for it.  A timeout and Ctrl-C stop everything
 the same way (each rank's whole process group), and so does a run that succeeds, for anything
 a rank left running.  If the launcher itself is killed outright, the ranks die with it (Linux
 ``PR_SET_PDEATHSIG``); processes a rank started of its own die with the rank only if it sees
@@ -163,7 +165,7 @@ class Launcher:
         c = self.config
         deadline = time.monotonic() + c.timeout if c.timeout else None
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        stop = {"signal": None}
+        stop: dict[str, int | None] = {"signal": None}
         failed_at: dict[int, float] = {}  # local rank -> when its failure was seen
 
         def on_signal(signum: int, frame: object) -> None:
@@ -268,8 +270,10 @@ def launch(config: LaunchConfig) -> int:
     return Launcher(config).run()
 
 
+RANK_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")
+
+
 def script_command(script: str, args: Sequence[str]) -> tuple[str, ...]:
-    """The command for a script (``python script.py ...``) or a module (``-m pkg.mod ...``)."""
-    if script == "-m":
-        return (sys.executable, "-m", *args)
-    return (sys.executable, "-u", script, *args)
+    """The command for a script (``script.py ...``) or a module (``-m pkg.mod ...``), run by
+    ``rank.py`` so that a rank exiting non-zero leaves at once (see ``rank.py``)."""
+    return (sys.executable, "-u", RANK_MAIN, script, *args)

@@ -20,11 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxpar._src.context import ParallelMode, current_context
 from jaxpar._src.errors import ContextError, MeshError, warn_once
-from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.hardware import resolve_hardware
 from jaxpar._src.pipeline import tracing
 from jaxpar._src.pipeline.config import PipelineConfig, check_micro_batches
 from jaxpar._src.pipeline.loop import make_loop
@@ -121,6 +121,8 @@ class PipelineCell:
     def _resolve(self, where: str) -> tuple | None:
         tr = tracing.current()
         ctx = current_context()
+        mesh: Mesh | None
+        hardware: Any  # a profile, a preset name or 'calibrated' until resolved
         if tr is not None:
             config, mesh = tr.settings.config, tr.mesh
             mode, search_mode, hardware = tr.mode, tr.search_mode, tr.hardware
@@ -129,7 +131,7 @@ class PipelineCell:
                                                  micro_batches=ctx.micro_batches, where=where)
             mesh = tracing_mesh() or ctx.mesh
             mode, search_mode = ctx.parallel_mode, ctx.search_mode
-            hardware = ctx.hardware or HardwareProfile()
+            hardware = ctx.hardware  # resolved below, once the mesh is known
         if self.micro_size is not None:
             config = PipelineConfig(config.stages, self.micro_size, config.schedule,
                                     config.repeats, config.residuals, config.reduction)
@@ -145,7 +147,7 @@ class PipelineCell:
             raise MeshError(f"{where}: pipeline_stages={config.stages} needs a mesh with a "
                             f"'pp' axis of that size: pass mesh= to parallelize or set it in "
                             f"the context.")
-        return config, mesh, mode, search_mode, hardware, tr
+        return config, mesh, mode, search_mode, resolve_hardware(hardware, mesh), tr
 
 
 def _pipelined(program: PipelineProgram, fill: float) -> Callable:
@@ -221,7 +223,7 @@ def _micro(x: Any, M: int) -> Any:
 
 
 def _constrain(x: Any, spec: Spec, program: PipelineProgram) -> Any:
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh: Any = jax.sharding.get_abstract_mesh()
     if mesh.empty or tuple(mesh.axis_names) != tuple(program.mesh.axis_names):
         mesh = program.mesh
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))

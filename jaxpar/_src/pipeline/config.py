@@ -74,7 +74,7 @@ class PipelineConfig:
                    cfg.get("pipeline_reduction", "mean"))
 
 
-_CONFIG_KEYS = {
+_CONFIG_KEYS: dict[str, tuple[Any, ...] | None] = {
     "pipeline_scheduler": SCHEDULES,
     "pipeline_interleave": (True, False),
     "pipeline_repeats": None,
@@ -105,11 +105,13 @@ def check_pipeline_config(value: Any, where: str = "jaxpar") -> dict[str, Any]:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ContextError(f"{where}: pipeline_config['pipeline_repeats'] must be a "
                                    f"positive int, got {v!r}.")
-        elif key == "pipeline_scheduler" and v not in allowed:
+        elif key == "pipeline_scheduler" and v not in SCHEDULES:
             extra = (" MindSpore's seqpipe/seqvpp/zero_bubble_v schedules need an MPMD "
                      "runtime; jaxpar runs one SPMD program." if isinstance(v, str) else "")
             raise ContextError(f"{where}: pipeline_scheduler {v!r} is not one of "
                                f"{list(SCHEDULES)}.{extra}")
+        elif allowed is None:
+            pass  # free-form (checked above)
         elif v not in allowed or (key == "pipeline_interleave" and not isinstance(v, bool)):
             raise ContextError(f"{where}: pipeline_config[{key!r}] must be one of "
                                f"{list(allowed)}, got {v!r}.")

@@ -34,7 +34,15 @@ import numpy as np
 
 from jaxpar._src.compat import name_stack
 from jaxpar._src.errors import PlanError
-from jaxpar._src.graph import Const, Node, OpGraph
+from jaxpar._src.graph import (
+    Const,
+    Crossing,
+    Node,
+    NodeKind,
+    OpGraph,
+    ScanRegion,
+    WhileRegion,
+)
 from jaxpar._src.pipeline.markers import stage_of
 from jaxpar._src.trace import _INLINE
 
@@ -103,8 +111,8 @@ def batch_dependent(graph: OpGraph, top: Sequence[int], batch: frozenset[int]) -
     out: set[int] = set()
     for nid in top:
         node = graph.nodes[nid]
-        if node.kind == "exit":
-            if node.params["control"] in out:
+        if node.kind is NodeKind.EXIT:
+            if control_of(node) in out:
                 out.add(nid)
             continue
         if any(isinstance(o, int) and (o in batch or graph.values[o].producer in out)
@@ -132,12 +140,12 @@ def _marked_stages(graph: OpGraph, jaxpr: Any, seq: Sequence[int]) -> list[int |
     out: list[int | None] = []
     for nid in seq:
         node = graph.nodes[nid]
-        if node.kind == "exit":
-            node = graph.nodes[node.params["control"]]
+        if node.kind is NodeKind.EXIT:
+            node = graph.nodes[control_of(node)]
         out.append(stage_of(stacks.get(id(node.eqn), "")) if node.eqn is not None else None)
     # literals bound by an inlined call carry no equation: they belong with the next operator
     for i in range(len(out) - 2, -1, -1):
-        if out[i] is None and graph.nodes[seq[i]].kind == "const":
+        if out[i] is None and graph.nodes[seq[i]].kind is NodeKind.CONST:
             out[i] = out[i + 1]
     return out
 
@@ -260,11 +268,11 @@ def _signature(graph: OpGraph, node: Node) -> Any:
 def _signature_of(graph: OpGraph, node: Node) -> Any:
     outs = tuple((graph.values[v].shape, str(graph.values[v].dtype)) for v in node.outputs)
     ins = tuple((graph.operand_shape(o), str(graph.operand_dtype(o))) for o in node.inputs)
-    if node.kind == "const":
-        value = np.asarray(node.params["value"])
+    if node.kind is NodeKind.CONST:
+        value = np.asarray(node.constant)
         return ("const", outs, value.tobytes())
-    if node.kind == "exit":
-        return ("exit", node.name, node.params["index"], outs)
+    if node.kind is NodeKind.EXIT:
+        return ("exit", node.name, _crossing(node).index, outs)
     return (node.kind, node.name, ins, outs, _params_key(node.eqn.params))
 
 
@@ -351,9 +359,9 @@ def _check(graph: OpGraph, prologue: Sequence[int], regions: Sequence[Sequence[i
                             f"{'the epilogue' if o == R else f'layer {o}'}.")
     shared = {c[1] for c in classes[1] if c[0] == "shared"}
     for nid in epilogue:
-        for o in graph.nodes[nid].inputs:
-            if isinstance(o, int) and owner.get(graph.values[o].producer) == -1:
-                shared.add(o)
+        for operand in graph.nodes[nid].inputs:
+            if isinstance(operand, int) and owner.get(graph.values[operand].producer) == -1:
+                shared.add(operand)
     layers = tuple(Layer(tuple(r), tuple(w), tuple(a), tuple(o))
                    for r, w, a, o in zip(regions, weights, act_in, act_out, strict=True))
     return LayerSequence(tuple(prologue), layers, tuple(epilogue), tuple(sorted(shared)), False)
@@ -373,7 +381,7 @@ def _classes(graph: OpGraph, region: Sequence[int], index: int, owner: dict[int,
                 continue
             v = graph.values[o]
             prod = graph.nodes[v.producer]
-            if node.kind == "exit":
+            if node.kind is NodeKind.EXIT:
                 out.append(("body", v.index))  # the control node's signature covers its body
             elif owner.get(v.producer) == index and v.producer in offset:
                 out.append(("int", offset[v.producer], v.index))
@@ -383,7 +391,7 @@ def _classes(graph: OpGraph, region: Sequence[int], index: int, owner: dict[int,
                 out.append(("w", wpos[o]))
             elif index > 0 and owner.get(v.producer) == index - 1:
                 out.append(("prev", (offset[v.producer], v.index)))
-            elif owner.get(v.producer, -1) == -1 or prod.kind == "const":
+            elif owner.get(v.producer, -1) == -1 or prod.kind is NodeKind.CONST:
                 out.append(("shared", o))
             else:
                 return (f"layer {index} reads a value of layer {owner.get(v.producer)} "
@@ -391,16 +399,35 @@ def _classes(graph: OpGraph, region: Sequence[int], index: int, owner: dict[int,
     return out
 
 
+def _crossing(node: Node) -> Crossing:
+    """Where an enter or exit node crosses its control node's boundary."""
+    if node.crossing is None:
+        raise PlanError(f"jaxpar: internal error: {node} crosses no control-flow boundary.")
+    return node.crossing
+
+
+def control_of(node: Node) -> int:
+    """The control node (scan, while, cond) an exit node leaves."""
+    return _crossing(node).control
+
+
 def members(graph: OpGraph, nid: int) -> list[int]:
     """A top-level node and every node nested in its bodies."""
     out = [nid]
-    node = graph.nodes[nid]
-    if node.kind == "control":
-        for key in ("body", "cond", "enter"):
-            for inner in node.params.get(key, ()):
-                out.extend(members(graph, inner))
-        for branch in node.params.get("branches", ()):
-            for inner in branch:
+    region = graph.nodes[nid].structure
+    if region is None:
+        return out
+    if isinstance(region, ScanRegion):
+        groups: tuple[tuple[int, ...], ...] = (region.body,)
+    elif isinstance(region, WhileRegion):
+        groups = (region.carries, region.cond, region.body)
+    else:
+        groups = (region.operands, *region.branches)
+    seen: set[int] = set()
+    for group in groups:
+        for inner in group:
+            if inner not in seen:
+                seen.add(inner)
                 out.extend(members(graph, inner))
     return out
 
@@ -418,13 +445,14 @@ def _weights(graph: OpGraph, region: Sequence[int], owner: dict[int, int],
     and results of weight work (nodes that are in no region: they read no batch input)."""
     seen: dict[int, None] = {}
     for nid in region:
-        if graph.nodes[nid].kind == "exit":
+        if graph.nodes[nid].kind is NodeKind.EXIT:
             continue
         for o in graph.nodes[nid].inputs:
             if not isinstance(o, int) or o in batch:
                 continue
             prod = graph.nodes[graph.values[o].producer]
-            if prod.kind == "input" or (prod.id not in owner and prod.kind != "output"):
+            if prod.kind is NodeKind.INPUT or (prod.id not in owner
+                                               and prod.kind is not NodeKind.OUTPUT):
                 seen.setdefault(o, None)
     return list(seen)
 

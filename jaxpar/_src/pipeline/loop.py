@@ -88,7 +88,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
         res = _Residuals()
         if backward:
             _probe(pieces, res, weights, active, carried0, rest, batch, recompute)
-        carry = {
+        carry: dict[str, Any] = {
             "act": buf(carried0, tables.act_slots, carried_specs),
             "in_act": [_filled(a, fill) for a in carried0],
             "loss": jnp.zeros((), jnp.float32),
@@ -321,7 +321,7 @@ class _Tick:
         """The forward's pullback, its leaves from the slots, the weights, the batch, or
         recomputed (those that depend on no activation: XLA keeps only what they need)."""
         kinds = self.res.kinds
-        again = None
+        again: list = []
         if any(k == "recompute" for k, _ in kinds):
             x0 = [jnp.zeros(a.shape, a.dtype) for a in self.res.x_avals]
             again = jax.tree.leaves(jax.vjp(f, w_c, x0, _floats(self.rest),
@@ -359,7 +359,7 @@ def _probe(pieces: Pieces, res: _Residuals, weights: list, active: Any, carried0
 
         _, pull = jax.vjp(f, w, x, r, b)
         leaves, res.treedef = jax.tree.flatten(pull)
-        ids = {}
+        ids: dict[int, tuple[str, int]] = {}
         for kind, group in (("w", w), ("r", r), ("b", b)):
             for j, v in enumerate(group):
                 if v is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxpar._src.compat import jaxpr_function_name, name_stack
 from jaxpar._src.errors import PlanError, warn_once
+from jaxpar._src.graph import NodeKind
 from jaxpar._src.pipeline.loop import LOOP_NAME, LOOP_SCOPE
 from jaxpar._src.rules import register_rule, specs_for
 from jaxpar._src.rules.factors import FactorRule, RuleBuilder
@@ -68,7 +69,7 @@ def pipeline_pins(space: SearchSpace, mesh: MeshShape) -> list[Pin]:
     """A pin for every pipeline loop of the traced program (see the module docstring)."""
     pins = []
     for node in space.graph.nodes:
-        if node.kind != "op" or node.name != "shard_map" or not is_pipeline_loop(
+        if node.kind is not NodeKind.OP or node.name != "shard_map" or not is_pipeline_loop(
                 node.eqn.params):
             continue
         found = _SCOPE_RE.findall(name_stack(node.eqn))
@@ -121,7 +122,8 @@ def programs_in(graph: Any) -> list[Any]:
     """The pipelines whose loops a traced graph contains, in order."""
     out = []
     for node in graph.nodes:
-        if node.kind == "op" and node.name == "shard_map" and is_pipeline_loop(node.eqn.params):
+        if node.kind is NodeKind.OP and node.name == "shard_map" and is_pipeline_loop(
+                node.eqn.params):
             found = _SCOPE_RE.findall(name_stack(node.eqn))
             program = _PROGRAMS.get(int(found[-1])) if found else None
             if program is not None and program not in out:
@@ -131,13 +133,12 @@ def programs_in(graph: Any) -> list[Any]:
 
 def pipeline_settings(ctx: Any, micro_batches: int | None, where: str) -> Any:
     """The pipeline part of a ``parallelize``'s settings: the context's stages and
-    ``pipeline_config``, its micro-batch count unless ``micro_batches`` is given."""
-    from jaxpar._src.pipeline.config import PipelineConfig, check_micro_batches
+    ``pipeline_config``, its micro-batch count unless ``micro_batches`` (checked by
+    ``parallelize_info``) is given."""
+    from jaxpar._src.pipeline.config import PipelineConfig
     from jaxpar._src.pipeline.tracing import PipelineSettings
 
     given = micro_batches is not None or ctx.micro_batches is not None
-    if micro_batches is not None:
-        micro_batches = check_micro_batches(micro_batches, where)
     config = PipelineConfig.from_options(
         ctx.pipeline_stages, dict(ctx.pipeline_config),
         micro_batches=micro_batches if micro_batches is not None else ctx.micro_batches,

@@ -25,10 +25,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxpar._src.errors import MeshError, PlanError
-from jaxpar._src.graph import Const, OpGraph
+from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
-from jaxpar._src.pipeline.layers import Layer, LayerSequence, find_layers, members
+from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
     BACKWARD_FACTOR,
@@ -164,6 +164,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     else:
         per_slot = config.repeats * 2 * costs["layer_bytes"] + \
             in_flight * costs["residual_bytes"]
+        assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = slots_within(float(hardware.memory_per_device),
                                        fixed_bytes=2 * costs["rest_bytes"],
                                        per_slot_bytes=per_slot, layers=n, chunks=C)
@@ -255,8 +256,8 @@ def _partition(graph: OpGraph, layers: LayerSequence, batch: frozenset[int]) -> 
             continue
         needed.add(nid)
         node = graph.nodes[nid]
-        if node.kind == "exit":
-            work.append(node.params["control"])
+        if node.kind is NodeKind.EXIT:
+            work.append(control_of(node))
         work.extend(graph.values[o].producer for o in _reads(graph, nid)
                     if graph.values[o].producer in pro_set)
     pro_nodes = tuple(n for n in pro if n in needed)
@@ -277,7 +278,7 @@ def _partition(graph: OpGraph, layers: LayerSequence, batch: frozenset[int]) -> 
 def _reads(graph: OpGraph, nid: int) -> list[int]:
     """Value ids a top-level node reads from outside itself (a loop's operands)."""
     node = graph.nodes[nid]
-    if node.kind == "exit":
+    if node.kind is NodeKind.EXIT:
         return []
     return [o for o in node.inputs if isinstance(o, int) and not isinstance(o, Const)]
 
@@ -287,12 +288,15 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
     """Seconds and bytes per device of a layer, the prologue and the epilogue (cost model)."""
     mesh = plan.mesh
 
+    assert hardware.flops_per_s is not None  # a profile fills every field
+    flops_per_s = float(hardware.flops_per_s)
+
     def seconds(nodes: Sequence[int]) -> float:
         total = 0.0
         for nid in nodes:
             for inner in _nested(graph, nid):
                 d = plan.decisions[inner]
-                total += d.flops / float(hardware.flops_per_s) + d.comm_time
+                total += d.flops / flops_per_s + d.comm_time
         return total
 
     def local_bytes(vid: int) -> float:
@@ -302,7 +306,7 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
         return float(math.prod(shape) * graph.values[vid].nbytes / max(math.prod(v.shape), 1))
 
     residual = sum(local_bytes(v) for nid in rep.nodes for inner in _nested(graph, nid)
-                   if graph.nodes[inner].kind == "op" for v in graph.nodes[inner].outputs)
+                   if graph.nodes[inner].kind is NodeKind.OP for v in graph.nodes[inner].outputs)
     return {
         "layer_s": seconds(rep.nodes),
         "prologue_s": seconds(parts["pro_nodes"]),

@@ -235,6 +235,8 @@ class Timeline:
 def _per_chunk(cost: Sequence[float] | float | None, chunks: int, default: float | None
                ) -> tuple[float, ...]:
     if cost is None:
+        if default is None:
+            raise ContextError("jaxpar: a cost per chunk is needed (no default here).")
         cost = default
     if isinstance(cost, (int, float)):
         return (float(cost),) * chunks

@@ -111,8 +111,8 @@ class SlotTables:
         """Runs of ticks with the same kinds of work: ``(start, stop, forward?, backward?)``.
         The loop compiles one scan per phase with only the code that phase needs (GPipe: a
         forward phase and a backward phase; 1F1B: warm-up, steady state, cool-down)."""
-        f_any = self.tables["f_on"].any(axis=1)
-        b_any = self.tables["b_on"].any(axis=1)
+        f_any = np.count_nonzero(self.tables["f_on"], axis=1) > 0
+        b_any = np.count_nonzero(self.tables["b_on"], axis=1) > 0
         out: list[tuple[int, int, bool, bool]] = []
         for t in range(self.schedule.num_ticks):
             key = (bool(f_any[t]), bool(b_any[t]))

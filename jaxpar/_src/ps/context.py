@@ -30,7 +30,12 @@ ROLE_ENV = "JAXPAR_PS_ROLE"
 
 @dataclasses.dataclass(frozen=True)
 class PSConfig:
-    """The parameter-server settings; every field is a ``set_ps_context`` key."""
+    """The parameter-server settings; every field is a ``set_ps_context`` key.
+
+    >>> from jaxpar import ps
+    >>> ps.PSConfig(server_num=2, worker_num=3).mode
+    'sync'
+    """
 
     enable_ps: bool = False
     server_num: int = 1  # server actors; parameters are split across them by size
@@ -46,6 +51,15 @@ class PSConfig:
         def bad(key: str, why: str) -> ContextError:
             return ContextError(f"set_ps_context: {key}={getattr(self, key)!r} {why}.")
 
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not isinstance(self.enable_ps, bool):
+            raise bad("enable_ps", "must be True or False")
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+                raise bad("checkpoint_dir", "must be a directory path (a str), or None")
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         for key in ("server_num", "worker_num"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -54,14 +68,14 @@ class PSConfig:
             raise bad("mode", f"is not one of {list(MODES)}")
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise bad("on_worker_failure", f"is not one of {list(FAILURE_POLICIES)}")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
+        if self.max_staleness is not None and (not is_int(self.max_staleness)
                                                or self.max_staleness < 0):
             raise bad("max_staleness", "must be None or an int >= 0")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+        if not is_int(self.checkpoint_every) or self.checkpoint_every < 0:
             raise bad("checkpoint_every", "must be an int >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise bad("checkpoint_every", "needs checkpoint_dir: where the servers write")
-        if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+        if not is_int(self.max_worker_restarts) or self.max_worker_restarts < 0:
             raise bad("max_worker_restarts", "must be an int >= 0")
 
 
@@ -69,7 +83,14 @@ _config = PSConfig()
 
 
 def set_ps_context(**kwargs: Any) -> None:
-    """Sets parameter-server options (see :class:`PSConfig` for the keys)."""
+    """Sets parameter-server options (see :class:`PSConfig` for the keys).
+
+    >>> from jaxpar import ps
+    >>> ps.set_ps_context(enable_ps=True, server_num=2, mode="async", max_staleness=2)
+    >>> ps.get_ps_context("mode")
+    'async'
+    >>> ps.reset_ps_context()
+    """
     global _config
     known = {f.name for f in dataclasses.fields(PSConfig)}
     unknown = sorted(set(kwargs) - known)
@@ -80,12 +101,26 @@ def set_ps_context(**kwargs: Any) -> None:
 
 
 def get_ps_context(key: str) -> Any:
+    """One parameter-server option's value (a :class:`PSConfig` field).
+
+    >>> from jaxpar import ps
+    >>> ps.get_ps_context("server_num")
+    1
+    """
     if not hasattr(_config, key):
         raise ContextError(f"get_ps_context: unknown option {key!r}.")
     return getattr(_config, key)
 
 
 def reset_ps_context() -> None:
+    """Restores every parameter-server option to its default.
+
+    >>> from jaxpar import ps
+    >>> ps.set_ps_context(worker_num=4)
+    >>> ps.reset_ps_context()
+    >>> ps.get_ps_context("worker_num")
+    1
+    """
     global _config
     _config = PSConfig()
 

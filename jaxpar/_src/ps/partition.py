@@ -15,7 +15,12 @@ from jaxpar._src.errors import PSError
 
 def assign_by_size(sizes: Sequence[int], num_servers: int) -> tuple[int, ...]:
     """Largest tensor first onto the least loaded server (ties: the lower index); every
-    server gets at least one tensor."""
+    server gets at least one tensor.
+
+    >>> from jaxpar import ps
+    >>> ps.assign_by_size([100, 10, 60, 50], num_servers=2)  # 100+10 on server 0, 60+50 on 1
+    (0, 0, 1, 1)
+    """
     if len(sizes) < num_servers:
         raise PSError(f"ParameterServerTrainer: {num_servers} servers but only {len(sizes)} "
                       f"parameter tensors; every server needs one. Use server_num <= "

@@ -26,13 +26,31 @@ Batch = Sequence[np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class WorkerReader:
+    """Batches the workers read themselves (see :func:`read_on_workers`).
+
+    >>> import numpy as np
+    >>> from jaxpar import ps
+    >>> reader = ps.read_on_workers(lambda step, part, n: (np.zeros((4, 2)),), batch_size=8)
+    >>> reader.batch_size
+    8
+    """
     fn: Callable[[int, int, int], Batch]  # (step, part, num_parts) -> that part of the batch
     batch_size: int  # samples in one global batch
 
 
 def read_on_workers(fn: Callable[[int, int, int], Batch], batch_size: int) -> WorkerReader:
     """Global batches of ``batch_size`` samples that the workers read part by part with
-    ``fn(step, part, num_parts)``; ``step`` counts from 0 in each ``train`` call."""
+    ``fn(step, part, num_parts)``; ``step`` counts from 0 in each ``train`` call.
+
+    >>> import numpy as np
+    >>> from jaxpar import ps
+    >>> x = np.arange(16.0).reshape(8, 2)
+    >>> def read(step, part, num_parts):  # runs on the worker, where the data lives
+    ...     return (x[ps.part_slice(8, part, num_parts)],)
+    >>> reader = ps.read_on_workers(read, batch_size=8)  # trainer.train(reader, steps=...)
+    >>> reader.fn(0, 1, 2)[0].shape
+    (4, 2)
+    """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise PSError(f"read_on_workers: batch_size={batch_size!r} must be a positive int.")
     return WorkerReader(fn, batch_size)
@@ -53,7 +71,12 @@ class ReadPart:
 
 
 def part_slice(batch_size: int, part: int, num_parts: int) -> slice:
-    """The rows of part ``part`` of ``num_parts`` of a batch (``np.array_split``'s cut)."""
+    """The rows of part ``part`` of ``num_parts`` of a batch (``np.array_split``'s cut).
+
+    >>> from jaxpar import ps
+    >>> [ps.part_slice(10, p, 3) for p in range(3)]
+    [slice(0, 4, None), slice(4, 7, None), slice(7, 10, None)]
+    """
     base, extra = divmod(batch_size, num_parts)
     start = part * base + min(part, extra)
     return slice(start, start + base + (part < extra))

@@ -60,7 +60,7 @@ class ServerCore:
             return optax.apply_updates(params, updates), state
 
         self._update = jax.jit(update)
-        self._manager = None
+        self._manager: Any = None  # an orbax CheckpointManager when checkpointing
         if checkpoint_dir:
             import orbax.checkpoint as ocp
 
@@ -107,11 +107,11 @@ class ServerCore:
         pending = self._pending.setdefault(step, {})
         pending[part] = (weight, grads)
         if len(pending) == n_parts:
-            total = None
+            total: dict[int, np.ndarray] = {}
             for p in sorted(pending):
                 w, g = pending[p]
                 scaled = {k: np.float32(w) * v for k, v in g.items()}
-                total = scaled if total is None else {k: total[k] + scaled[k] for k in total}
+                total = {k: total[k] + scaled[k] for k in total} if total else scaled
             del self._pending[step]
             self._apply(total, n_parts)
         return True

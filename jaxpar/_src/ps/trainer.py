@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -57,7 +58,13 @@ Batch = Sequence[np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What callbacks get after each step (sync) or each applied part (async)."""
+    """What callbacks get after each step (sync) or each applied part (async).
+
+    >>> from jaxpar import ps
+    >>> info = ps.StepInfo(step=3, loss=0.25, workers=(0, 1), samples=64)
+    >>> f"step {info.step}: loss {info.loss} from {len(info.workers)} workers"
+    'step 3: loss 0.25 from 2 workers'
+    """
 
     step: int  # sync: the server step; async: the index of the part, in hand-out order
     loss: float  # sync: the global batch's mean loss; async: the part's
@@ -67,7 +74,15 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PSReport:
-    """What happened, for logs and tests."""
+    """What happened, for logs and tests.
+
+    >>> from jaxpar import ps
+    >>> report = ps.PSReport(steps=(10, 10), applied=(30, 30), duplicates_ignored=0,
+    ...                      stale_rejections=0, worker_restarts=1, workers_dropped=(),
+    ...                      server_restores=0, redone_steps=0, lost_updates=0)
+    >>> report.applied[0] // report.steps[0]  # workers per step (trainer.report() gives one)
+    3
+    """
 
     steps: tuple[int, ...]  # optimizer steps applied, per server
     applied: tuple[int, ...]  # worker gradients that went into them, per server
@@ -259,11 +274,9 @@ class ParameterServerTrainer:
             if callable(batches) or isinstance(batches, WorkerReader):
                 raise PSError("train: give steps= when the batches come from a function.")
             steps = len(batches)
+        get: Callable[[int], Batch | WorkerReader]
         if isinstance(batches, WorkerReader):
-            reader = batches
-
-            def get(i: int) -> WorkerReader:
-                return reader
+            get = functools.partial(_same, batches)
         else:
             get = batches if callable(batches) else batches.__getitem__
         start = len(self.history)
@@ -276,7 +289,8 @@ class ParameterServerTrainer:
     def _step0(self) -> int:
         return self._ray.get(self.servers[0].stats.remote())["step"]
 
-    def _train_sync(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
+    def _train_sync(self, get: Callable[[int], Batch | WorkerReader], steps: int,
+                    callbacks: Sequence) -> None:
         base = self._step0()
         i = 0
         while i < steps:
@@ -303,8 +317,7 @@ class ParameterServerTrainer:
     def _split(self, batch: Batch | WorkerReader, i: int, n: int
                ) -> list[tuple[float, Any, int]]:
         """Batch ``i`` cut into ``n`` parts: ``(weight, data or ReadPart, samples)`` each."""
-        reading = isinstance(batch, WorkerReader)
-        size = batch.batch_size if reading else len(batch[0])
+        size = batch.batch_size if isinstance(batch, WorkerReader) else len(batch[0])
         if size < n:
             raise PSError(f"ParameterServerTrainer: a batch of {size} samples cannot be split "
                           f"across {n} workers.")
@@ -312,7 +325,7 @@ class ParameterServerTrainer:
         for p in range(n):
             cut = part_slice(size, p, n)
             rows = cut.stop - cut.start
-            data = ReadPart(batch.fn, i, p, n) if reading else \
+            data = ReadPart(batch.fn, i, p, n) if isinstance(batch, WorkerReader) else \
                 tuple(np.asarray(column)[cut] for column in batch)
             out.append((rows / size, data, rows))
         return out
@@ -340,7 +353,8 @@ class ParameterServerTrainer:
                 tasks[ref] = task
         return float(sum(parts[p][0] * losses[p] for p in losses))
 
-    def _train_async(self, get: Callable[[int], Batch], steps: int, callbacks: Sequence) -> None:
+    def _train_async(self, get: Callable[[int], Batch | WorkerReader], steps: int,
+                     callbacks: Sequence) -> None:
         queue: collections.deque[tuple[int, float, Any, int]] = collections.deque()
         next_batch = 0
         in_flight: dict[Any, tuple[int, tuple[int, float, Any, int], int, Any]] = {}
@@ -440,3 +454,8 @@ class ParameterServerTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _same(value: WorkerReader, step: int) -> WorkerReader:
+    """Every step's batch when the workers read their own: the one reader."""
+    return value

@@ -12,7 +12,13 @@ import html
 import json
 from collections.abc import Sequence
 
-from jaxpar._src.plan import HEAVY, USER_ORIGINS, ShardingPlan, _comm_str, _seconds
+from jaxpar._src.plan import (
+    LISTED_CATEGORIES,
+    USER_ORIGINS,
+    ShardingPlan,
+    _comm_str,
+    _seconds,
+)
 from jaxpar._src.report.context import OUTSIDE, NodeContext
 from jaxpar._src.report.figures import LayoutTable
 
@@ -65,7 +71,7 @@ def explorer_data(plan: ShardingPlan, contexts: Sequence[NodeContext], layouts: 
         if comm_bytes > 0:
             comm = _comm_str(d) + (f" x{d.weight:g}" if d.weight != 1 else "")
         runner = d.runner_up_str() if searched and d.runner_up is not None else ""
-        heavy = int(d.name in HEAVY or d.origin in USER_ORIGINS or comm_bytes > 0)
+        heavy = int(d.category in LISTED_CATEGORIES or d.origin in USER_ORIGINS or comm_bytes > 0)
         nodes.append([d.node, s(kind), s(op), s(loc), s(ctx.layer), module,
                       ins, outs,
                       shapes, s(d.origin), s(comm), round(comm_bytes), s(runner),
@@ -104,7 +110,7 @@ def runner_up_rows(plan: ShardingPlan, contexts: Sequence[NodeContext], limit: i
     ``(operator, location, chosen, runner-up, count, extra cost)``, closest calls first."""
     groups: dict[tuple[str, str, str, str], list[float]] = {}
     for d in plan.decisions:
-        if d.runner_up is None or d.name not in HEAVY:
+        if d.runner_up is None or d.category not in LISTED_CATEGORIES:
             continue
         runner = d.runner_up_str().rsplit(" (+", 1)[0]
         key = (d.name, contexts[d.node].location, d.strategy_str(), runner)

@@ -5,10 +5,11 @@ Importing this package registers every rule; :func:`rule_for` is what the search
 
 from __future__ import annotations
 
-from jaxpar._src.graph import Node, OpGraph
+from jaxpar._src.graph import Node, NodeKind, OpGraph, Role
 from jaxpar._src.rules import contraction, elementwise, indexing, random, reductions, shape_ops
 from jaxpar._src.rules.factors import (
     FactorRule,
+    OpCategory,
     OpStrategy,
     RuleBuilder,
     enumerate_strategies,
@@ -18,10 +19,12 @@ from jaxpar._src.rules.factors import (
 from jaxpar._src.rules.registry import OpView, register_rule, registered_primitives, rule_of
 
 __all__ = [
-    "FactorRule", "OpStrategy", "OpView", "RuleBuilder", "enumerate_strategies", "op_view",
-    "register_rule", "registered_primitives", "rule_for", "specs_for", "strategy_for_specs",
+    "FactorRule", "OpCategory", "OpStrategy", "OpView", "RuleBuilder", "enumerate_strategies",
+    "op_view", "register_rule", "registered_primitives", "rule_for", "specs_for",
+    "strategy_for_specs",
 ]
 del contraction, elementwise, indexing, random, reductions, shape_ops
+from jaxpar._src.rules import stacking  # noqa: E402, F401 - registers stack / unstack
 
 IDENTITY_OPS = ("sharding_constraint",)
 
@@ -33,25 +36,25 @@ def op_view(graph: OpGraph, node: Node) -> OpView:
         tuple(graph.operand_dtype(o) for o in node.inputs),
         tuple(graph.values[v].shape for v in node.outputs),
         tuple(graph.values[v].dtype for v in node.outputs),
-        node.eqn.params if node.eqn is not None else node.params,
+        node.eqn.params if node.eqn is not None else {},
     )
 
 
 def rule_for(graph: OpGraph, node: Node) -> FactorRule:
     """The factor rule of any searchable node."""
-    if node.kind == "op" and node.name not in IDENTITY_OPS:
+    if node.kind is NodeKind.OP and node.name not in IDENTITY_OPS:
         return rule_of(op_view(graph, node))
     b = RuleBuilder()
-    if node.kind in ("input", "const"):
+    if node.kind in (NodeKind.INPUT, NodeKind.CONST):
         return b.build([], [b.factors(graph.values[node.outputs[0]].shape)])
-    if node.kind == "output":
+    if node.kind is NodeKind.OUTPUT:
         return b.build([b.factors(graph.operand_shape(node.inputs[0]))], [])
-    if node.kind == "enter" and node.name == "xs":
+    if node.role is Role.XS:
         outer = graph.operand_shape(node.inputs[0])
         lead = b.factor(outer[0], blocked=True)
         dims = b.factors(outer[1:])
         return b.build([[lead] + dims], [dims])
-    if node.kind == "exit" and node.name == "ys":
+    if node.role is Role.YS:
         inner = graph.operand_shape(node.inputs[0])
         dims = b.factors(inner)
         lead = b.factor(graph.values[node.outputs[0]].shape[0], blocked=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 
-from jaxpar._src.rules.factors import FactorRule, RuleBuilder
+from jaxpar._src.rules.factors import FactorRule, OpCategory, RuleBuilder
 from jaxpar._src.rules.registry import OpView, register_rule, replicated_rule
 
 
-@register_rule("dot_general")
+@register_rule("dot_general", category=OpCategory.CONTRACTION)
 def _dot_general_rule(op: OpView) -> FactorRule:
     (lhs, rhs), (out,) = op.in_shapes, op.out_shapes
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
@@ -49,7 +49,7 @@ def _dot_general_rule(op: OpView) -> FactorRule:
     return b.build([lhs_dims, rhs_dims], [out_dims], reductions=reductions, flops=flops)
 
 
-@register_rule("conv_general_dilated")
+@register_rule("conv_general_dilated", category=OpCategory.CONTRACTION)
 def _conv_rule(op: OpView) -> FactorRule:
     (lhs, rhs), (out,) = op.in_shapes[:2], op.out_shapes
     dn = op.params["dimension_numbers"]

@@ -24,6 +24,7 @@ axes of its factors.  Consequences, for free:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,21 @@ from collections.abc import Mapping, Sequence
 from jaxpar._src.spec import MeshShape, Spec
 
 Dim = tuple[int, ...]  # the factors of one tensor dimension, major to minor; () = none
+
+
+class OpCategory(enum.StrEnum):
+    """What kind of work an operator is, as the searches and plans treat it.
+
+    A rule's category comes from :func:`register_rule` (``category=``).  A ``contraction`` (a
+    matrix product, a convolution) is the work worth splitting: ``fully_use_devices`` splits it
+    over every device, recursive programming decides it first and prices its cuts, and a
+    gradient's path to the optimizer stops at it.  ``indexing`` (gathers, scatters) and
+    ``contraction`` operators are listed by ``ShardingPlan.explain``.
+    """
+
+    CONTRACTION = "contraction"
+    INDEXING = "indexing"
+    OTHER = "other"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +59,13 @@ class FactorRule:
     reductions: tuple[tuple[int, str], ...] = ()  # (factor, "sum" | "max" | ...) pairs
     blocked: frozenset[int] = frozenset()  # factors that must not be split
     flops: float = 0.0  # global floating-point operations of one application
+    category: OpCategory = OpCategory.OTHER
     _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.sizes, self.operands, self.results,
-                                                self.reductions, self.blocked, self.flops)))
+                                                self.reductions, self.blocked, self.flops,
+                                                self.category)))
 
     def __hash__(self) -> int:
         return self._hash

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 
-from jaxpar._src.rules.factors import FactorRule, RuleBuilder
+from jaxpar._src.rules.factors import FactorRule, OpCategory, RuleBuilder
 from jaxpar._src.rules.registry import OpView, register_rule, replicated_rule
 
 
-@register_rule("gather")
+@register_rule("gather", category=OpCategory.INDEXING)
 def _gather_rule(op: OpView) -> FactorRule:
     (operand, indices), (out,) = op.in_shapes, op.out_shapes
     dn = op.params["dimension_numbers"]
@@ -74,7 +74,7 @@ _SCATTER = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul
             "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")
 
 
-@register_rule(*_SCATTER)
+@register_rule(*_SCATTER, category=OpCategory.INDEXING)
 def _scatter_rule(op: OpView) -> FactorRule:
     operand, indices, updates = op.in_shapes[:3]
     dn = op.params["dimension_numbers"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 from jaxpar._src.rules.factors import FactorRule, RuleBuilder
 from jaxpar._src.rules.registry import OpView, register_rule, replicated_rule
 
 
 def _partitionable() -> bool:
-    import jax
-
     return bool(getattr(jax.config, "jax_threefry_partitionable", False))
 
 

@@ -1,8 +1,8 @@
 """The per-primitive rule registry: one pure rule per primitive, registered by decorator.
 
-A rule reads the operator's operand and result shapes and its parameters and returns a
-:class:`FactorRule`.  It never looks at the mesh or at global state.  A primitive without a rule
-is replicated, with one warning naming it.
+A rule reads the operator's operand and result shapes and its parameters (an :class:`OpView`)
+and returns a :class:`FactorRule`.  It never looks at the mesh or at global state.  A primitive
+without a rule is replicated, with one warning naming it.
 
 >>> from jaxpar._src.rules.factors import RuleBuilder
 >>> @register_rule("my_identity_prim")
@@ -20,13 +20,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxpar._src.errors import warn_once
-from jaxpar._src.rules.factors import FactorRule, RuleBuilder
+from jaxpar._src.errors import StrategyError, warn_once
+from jaxpar._src.rules.factors import FactorRule, OpCategory, RuleBuilder
 
 
 @dataclasses.dataclass(frozen=True)
 class OpView:
-    """What a rule may read about an operator."""
+    """What a rule may read about an operator: the primitive's name, its operands' and
+    results' shapes and dtypes, and the equation's parameters."""
 
     name: str
     in_shapes: tuple[tuple[int, ...], ...]
@@ -37,22 +38,44 @@ class OpView:
 
 
 RuleFn = Callable[[OpView], FactorRule]
-_RULES: dict[str, RuleFn] = {}
+_RULES: dict[str, tuple[RuleFn, OpCategory]] = {}
 _BUILT: dict[tuple, FactorRule] = {}  # rules already built, by view
 
 
-def register_rule(*names: str) -> Callable[[RuleFn], RuleFn]:
-    """Registers ``fn`` as the rule of the primitives ``names``."""
+def register_rule(*names: str, category: OpCategory | str = OpCategory.OTHER
+                  ) -> Callable[[RuleFn], RuleFn]:
+    """Registers ``fn`` as the rule of the primitives ``names``.
+
+    ``category`` says what kind of work the operator is (:class:`OpCategory`): a new matrix
+    product registered as ``"contraction"`` is split and priced as ``dot_general`` is.
+
+    Registering a primitive again replaces its rule, so a notebook cell can be re-run; when the
+    new rule is another function than the one it replaces (not the same one re-defined), a
+    :class:`~jaxpar.JaxparWarning` says so.  Functions traced afterwards use the new rule.
+    """
+    try:
+        kind = OpCategory(category)
+    except ValueError:
+        raise StrategyError(f"jaxpar.register_rule{names}: category {category!r} is not one of "
+                            f"{[c.value for c in OpCategory]}.") from None
 
     def deco(fn: RuleFn) -> RuleFn:
         for name in names:
-            if name in _RULES:
-                raise ValueError(f"a rule for primitive {name!r} is already registered "
-                                 f"({_RULES[name].__qualname__})")
-            _RULES[name] = fn
+            old = _RULES.get(name)
+            if old is not None and _qualname(old[0]) != _qualname(fn):
+                warn_once(f"rule:{name}:{_qualname(fn)}",
+                          f"jaxpar.register_rule: the rule of primitive {name!r} "
+                          f"({_qualname(old[0])}) is replaced by {_qualname(fn)}.")
+            _RULES[name] = (fn, kind)
+        for key in [k for k in _BUILT if k[0] in names]:  # built by the rules replaced
+            del _BUILT[key]
         return fn
 
     return deco
+
+
+def _qualname(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def registered_primitives() -> frozenset[str]:
@@ -70,22 +93,30 @@ def rule_of(op: OpView) -> FactorRule:
     """The rule for ``op``; an unknown primitive is replicated and warned about once.
 
     A rule depends on the view only, so repeated layers build each rule once."""
-    fn = _RULES.get(op.name)
-    if fn is None:
+    entry = _RULES.get(op.name)
+    if entry is None:
         warn_once(
             f"unsupported:{op.name}",
             f"jaxpar has no sharding rule for primitive '{op.name}'; it is computed replicated "
             f"(correct, but every device does all of its work). Register one with "
             f"jaxpar.register_rule('{op.name}') if it matters.")
         return replicated_rule(op)
+    fn, category = entry
     try:
         key = (op.name, op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes,
                tuple(op.params.items()))  # same primitive, same order: no sort needed
         rule = _BUILT.get(key)
     except TypeError:  # parameters that cannot be hashed (arrays): build it afresh
-        return fn(op)
+        return _categorised(fn(op), category)
     if rule is None:
         if len(_BUILT) > 65536:
             _BUILT.clear()
-        rule = _BUILT[key] = fn(op)
+        rule = _BUILT[key] = _categorised(fn(op), category)
+    return rule
+
+
+def _categorised(rule: FactorRule, category: OpCategory) -> FactorRule:
+    """The rule with its primitive's registered category (one a rule set itself wins)."""
+    if rule.category is OpCategory.OTHER and category is not OpCategory.OTHER:
+        return dataclasses.replace(rule, category=category)
     return rule

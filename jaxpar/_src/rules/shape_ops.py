@@ -173,3 +173,12 @@ def _iota_rule(op: OpView) -> FactorRule:
     b = RuleBuilder()
     out = op.out_shapes[0]
     return b.build([], [b.factors(out)], flops=math.prod(out))
+
+
+@register_rule("empty", "empty2")
+def _empty_rule(op: OpView) -> FactorRule:
+    """Uninitialised memory (``empty2``: the scalar the gradient of ``lax.cond`` broadcasts
+    for a branch's unused outputs): any split of the result, no work."""
+    b = RuleBuilder()
+    return b.build([[None] * len(s) for s in op.in_shapes],
+                   [b.factors(s) for s in op.out_shapes])

@@ -1,133 +1,184 @@
-"""``auto_parallel``: run the chosen search on the coarse problem, keep memory within budget.
+"""The automatic searches' common frame: the coarse problem, memory, and the two safeguards.
 
-Every search respects the pins.  Two safeguards make the fast searches honest: the plan is never
-worse than pure data parallel under the same cost model (when the batch is known, that plan is
-priced too and kept if cheaper, and the report says so), and it must fit the device memory
-(``HardwareProfile.memory_per_device``): a plan that does not is re-solved with memory priced in
-(the exact search adds the violated memory constraint instead) until one fits, or jaxpar raises
-with the budget and the smallest plan it found.
+A coarse search (``recursive_programming``, ``dynamic_programming``, ``optimal``: see
+``modes.py``) is a :class:`Solver` of the coarse problem put in this frame by
+:func:`coarse_search`.  The frame builds the problem (on large graphs, the quotient where
+repeated layers share a strategy), hands the solver a :class:`Memory` to check its plans
+against, and then makes the fast searches honest: the plan is never worse than pure data
+parallel under the same cost model (when the batch is known, that plan is priced too and kept
+if cheaper, and the report says so), and it must fit the device memory
+(``HardwareProfile.memory_per_device``): :func:`priced` makes a solver re-solve with memory
+priced in until a plan fits (the exact search adds the violated memory constraint instead), or
+jaxpar raises with the budget and the smallest plan it found.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from jaxpar._src.errors import PlanError
+from jaxpar._src.plan import _bytes
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
-from jaxpar._src.search.elimination import solve_elimination
-from jaxpar._src.search.memory import live_ranges, peak_memory, replicated_peak
-from jaxpar._src.search.optimal import solve_optimal
+from jaxpar._src.search.memory import MemoryEstimate, live_ranges, peak_memory, replicated_peak
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
-from jaxpar._src.search.recursive import improve, refine, solve_recursive
+from jaxpar._src.search.registry import (
+    Detail,
+    Search,
+    SearchReport,
+    SearchRequest,
+    SearchResult,
+)
+from jaxpar._src.search.ties import prefer_names, split_inputs
 
 SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
 
 
 @dataclasses.dataclass(frozen=True)
-class Detail:
-    """Why one node got its strategy: its cost terms and the best alternative."""
+class Solution:
+    """A solver's answer: a candidate index per node of the problem it was given."""
 
-    compute_s: float
-    comm_s: float  # its own collectives
-    redistribution_s: float  # layout changes to its neighbours' choices
-    runner_up: OpStrategy | None
-    runner_up_extra_s: float  # how much more the runner-up would cost, the rest fixed
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchReport:
-    """What a search did."""
-
-    search_mode: str
-    objective_s: float  # simulated seconds per call under the cost model
-    search_s: float  # wall seconds the search took
-    nodes: int  # coarse nodes searched
-    memory_bytes: float  # estimated peak bytes per device
-    memory_budget: float
+    choice: dict[int, int]
     optimal: bool | None = None  # proven optimal (the exact search)
-    baseline_s: float | None = None  # pure data parallel under the same model
-    used_baseline: bool = False
     notes: tuple[str, ...] = ()
 
 
-def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
-                ties: Sequence[tuple[int, int]] = (), baseline_pins: Sequence[Pin] | None = None,
-                fully_use_devices: bool = True, time_limit: float = 300.0
-                ) -> tuple[Assignment, SearchReport, dict[int, Detail]]:
+class Solver(Protocol):
+    """Solves the coarse problem ``target`` within ``memory``."""
+
+    def __call__(self, target: Problem, memory: Memory) -> Solution: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The memory budget of one search, and how a choice of the searched problem fares."""
+
+    problem: Problem  # the full coarse problem
+    owner: Mapping[int, int] | None  # searching its quotient: the group of every node
+    budget: float  # bytes per device
+    roomy: bool  # nothing replicated exceeds it: no plan can
+    search_mode: str
+
+    def lift(self, choice: Mapping[int, int]) -> dict[int, int]:
+        """A choice of the searched problem as one of the full problem."""
+        if self.owner is None:
+            return dict(choice)
+        return {r: choice[self.owner[r]] for r in self.problem.reps}
+
+    def estimate(self, choice: Mapping[int, int]) -> MemoryEstimate:
+        space = self.problem.space
+        return peak_memory(space.graph, self.problem.expand(self.lift(choice)),
+                           space.model.mesh)
+
+    def peak(self, choice: Mapping[int, int]) -> float:
+        return 0.0 if self.roomy else self.estimate(choice).peak
+
+    def fits(self, choice: Mapping[int, int]) -> bool:
+        return self.peak(choice) <= self.budget
+
+    def cut(self, choice: Mapping[int, int]) -> tuple[dict[int, np.ndarray], float]:
+        """The linear constraint that the bytes live where ``choice`` peaks fit the budget."""
+        return _fold(_memory_cut(self.problem, self.estimate(choice).at, self.budget),
+                     self.owner)
+
+    def refusal(self, smallest: float) -> PlanError:
+        return PlanError(
+            f"jaxpar ({self.search_mode}): no plan fits the memory budget of "
+            f"{_bytes(self.budget)} per device (HardwareProfile.memory_per_device); the "
+            f"smallest plan found needs {_bytes(smallest)}. Use more devices, a smaller batch, "
+            f"or raise memory_per_device.")
+
+
+def priced(solve: Callable[[Problem, float], dict[int, int]]) -> Solver:
+    """A solver of cost alone, ``solve(problem, memory_price)``, made to respect memory: a plan
+    over the budget is re-solved with memory priced in, cheapest price first."""
+
+    def solver(target: Problem, memory: Memory) -> Solution:
+        choice = solve(target, 0.0)
+        if not memory.fits(choice):
+            choice = _fit_memory(target, choice, solve, memory)
+        return Solution(choice)
+
+    return solver
+
+
+def with_memory_price(problem: Problem, price: float) -> Problem:
+    """``problem`` with each candidate's bytes per device priced at ``price`` s/byte."""
+    if price == 0.0:
+        return problem
+    cost = {r: problem.cost[r] + price * problem.mem[r] for r in problem.reps}
+    return dataclasses.replace(problem, cost=cost)
+
+
+def coarse_search(name: str, solver: Solver) -> Search:
+    """The search mode ``name`` that solves the coarse problem with ``solver``."""
+
+    def search(request: SearchRequest) -> SearchResult:
+        return _search(name, solver, request)
+
+    search.__name__ = search.__qualname__ = f"coarse_search({name!r})"
+    return search
+
+
+def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchResult:
     t0 = time.perf_counter()
-    problem = build_problem(space, pins, ties=ties, fully_use_devices=fully_use_devices)
+    space = request.space
+    base = _baseline(space, request.baseline_pins, request.ties) \
+        if request.baseline_pins is not None else None
+    if base is not None:  # how large XLA's combined gradient all-reduces are (combine.py)
+        space.calibrate(base)
     graph, mesh = space.graph, space.model.mesh
     budget = float(space.model.hw.memory_per_device)
-    notes: list[str] = []
-    optimal = None
-    owner: dict[int, int] | None = None
-    target = problem
-    if len(problem.reps) > SHARE_LAYERS_ABOVE and problem.groups:
-        target, owner = quotient(problem)
-        notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
-                     f"{len(target.reps)}")
-
-    def lift(choice: Mapping[int, int]) -> dict[int, int]:
-        return dict(choice) if owner is None else {r: choice[owner[r]] for r in problem.reps}
-
     roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
-
-    def memory_of(choice: Mapping[int, int]) -> float:
-        if roomy:
-            return 0.0
-        return peak_memory(graph, problem.expand(lift(choice)), mesh).peak
-
-    if search_mode == "optimal":
-        result = solve_optimal(target, time_limit=time_limit)
-        choice, optimal = result.choice, result.optimal
-        if not result.optimal:
-            notes.append(f"the integer program stopped at its time limit ({time_limit:g} s); "
-                         f"relative gap {result.gap:.3g}")
-        cuts = []
-        smallest = float("inf")
-        for _ in range(0 if roomy else 20):
-            est = peak_memory(graph, problem.expand(lift(choice)), mesh)
-            smallest = min(smallest, est.peak)
-            if est.peak <= budget:
-                break
-            cuts.append(_fold(_memory_cut(problem, est.at, budget), owner))
-            try:
-                result = solve_optimal(target, time_limit=time_limit, extra_rows=cuts)
-            except PlanError:  # the cuts admit no plan at all
-                raise _over_budget(search_mode, budget, smallest) from None
-            choice, optimal = result.choice, result.optimal
-    else:
-        solver = _SOLVERS[search_mode]
-        choice = solver(target, 0.0)
-        if memory_of(choice) > budget:
-            choice = _fit_memory(target, choice, solver, budget, memory_of)
-    choice = lift(choice)
+    run = functools.partial(_solve, request=request, search_mode=search_mode, solver=solver,
+                            budget=budget, roomy=roomy)
+    problem, choice, optimal, notes = run(space)
     strategies = problem.expand(choice)
+    objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
+    if space.bucket_bytes > 0 and objective > problem.objective(choice) * (1 + 1e-6):
+        # The search priced each gradient all-reduce as a share of one combined all-reduce,
+        # but this plan's few pay a latency of their own: search again with every gradient
+        # all-reduce alone, and keep the plan that is cheaper as XLA runs it.
+        other = run(space.alone())
+        alternative = other[0].expand(other[1])
+        alternative_s = space.price(alternative).step_s
+        if alternative_s < objective * (1 - 1e-9):
+            problem, choice, optimal, notes = other
+            strategies, objective = alternative, alternative_s
+            notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
     est = peak_memory(graph, strategies, mesh)
-    objective = space.total_time(strategies)
     details = _details(problem, choice)
     baseline_s = None
     used_baseline = False
-    if baseline_pins is not None:
-        base = _baseline(space, baseline_pins, ties)
-        if base is not None:
-            baseline_s = space.total_time(base)
-            if baseline_s < objective * (1 - 1e-9) and (
-                    roomy or peak_memory(graph, base, mesh).peak <= budget):
-                # Possible when the baseline uses strategies fully_use_devices leaves out.
-                strategies, objective, details = base, baseline_s, {}
-                est = peak_memory(graph, strategies, mesh)
-                used_baseline, optimal = True, False
-                notes.append("pure data parallel was cheaper than the search's plan under "
-                             "the cost model, and is used")
+    if base is not None:
+        baseline_s = space.price(base).step_s
+        if baseline_s < objective * (1 - 1e-9) and (
+                roomy or peak_memory(graph, base, mesh).peak <= budget):
+            # The searches price combining and overlap locally (combine.py); priced whole,
+            # data parallel can still win, or use strategies fully_use_devices leaves out.
+            strategies, objective, details = base, baseline_s, {}
+            est = peak_memory(graph, strategies, mesh)
+            used_baseline, optimal = True, False
+            notes.append("pure data parallel was cheaper than the search's plan under "
+                         "the cost model, and is used")
     if est.peak > budget:
-        raise _over_budget(search_mode, budget, est.peak)
+        raise Memory(problem, None, budget, roomy, search_mode).refusal(est.peak)
+    pinned = {p.node for p in request.pins}
+    if request.baseline_pins is not None:  # equal costs: batch on dp-like axes, weights mp-like
+        batch = {p.node for p in request.baseline_pins
+                 if p.origin == "data_parallel" and not p.strategy.out_specs[0].is_replicated}
+        named = prefer_names(space, strategies, batch, pinned)
+        if named != strategies:
+            strategies, details = named, {}
+            notes.append("interchangeable mesh axes exchanged to follow their names")
+    strategies = split_inputs(space, strategies, pinned)
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
     if used_baseline:
         origins = {n: problem.origins.get(n, "data-parallel baseline") for n in strategies}
@@ -137,54 +188,41 @@ def auto_search(space: SearchSpace, pins: Sequence[Pin], *, search_mode: str,
                 origins[f] = f"{search_mode} (follows #{rep})"
     report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
                           est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
-    return Assignment(strategies, origins), report, details
+    return SearchResult(Assignment(strategies, origins), search_mode, report, details)
 
 
-def _over_budget(search_mode: str, budget: float, smallest: float) -> PlanError:
-    from jaxpar._src.plan import _bytes
-
-    return PlanError(
-        f"jaxpar ({search_mode}): no plan fits the memory budget of {_bytes(budget)} per device "
-        f"(HardwareProfile.memory_per_device); the smallest plan found needs "
-        f"{_bytes(smallest)}. Use more devices, a smaller batch, or raise memory_per_device.")
-
-
-def _solve_recursive(problem: Problem, price: float) -> dict[int, int]:
-    return solve_recursive(_priced(problem, price))
-
-
-def _solve_elimination(problem: Problem, price: float) -> dict[int, int]:
-    choice, stats = solve_elimination(problem, memory_price=price)
-    if stats.star:  # star eliminations approximate: polish their decisions locally
-        priced = _priced(problem, price)
-        choice = refine(priced, improve(priced, choice))
-    return choice
+def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solver: Solver,
+           budget: float, roomy: bool) -> tuple[Problem, dict[int, int], bool | None, list[str]]:
+    """Builds the problem on ``space`` and solves it with ``solver`` within the budget: the
+    problem, the choice (of the full problem), whether it is proven optimal, and notes."""
+    problem = build_problem(space, request.pins, ties=request.ties,
+                            fully_use_devices=request.fully_use_devices)
+    notes: list[str] = []
+    owner: dict[int, int] | None = None
+    target = problem
+    if len(problem.reps) > SHARE_LAYERS_ABOVE and problem.groups:
+        target, owner = quotient(problem)
+        notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
+                     f"{len(target.reps)}")
+    memory = Memory(problem, owner, budget, roomy, search_mode)
+    solution = solver(target, memory)
+    notes.extend(solution.notes)
+    return problem, memory.lift(solution.choice), solution.optimal, notes
 
 
-_SOLVERS: dict[str, Callable[[Problem, float], dict[int, int]]] = {
-    "recursive_programming": _solve_recursive,
-    "dynamic_programming": _solve_elimination,
-}
-
-
-def _priced(problem: Problem, price: float) -> Problem:
-    if price == 0.0:
-        return problem
-    cost = {r: problem.cost[r] + price * problem.mem[r] for r in problem.reps}
-    return dataclasses.replace(problem, cost=cost)
-
-
-def _fit_memory(problem: Problem, choice: dict[int, int], solver: Callable, budget: float,
-                memory_of: Callable) -> dict[int, int]:
-    """Re-solves with memory priced in, cheapest price first, until the plan fits."""
+def _fit_memory(problem: Problem, choice: dict[int, int],
+                solve: Callable[[Problem, float], dict[int, int]], memory: Memory
+                ) -> dict[int, int]:
+    """Re-solves with memory priced in, cheapest price first, until the plan fits (else the
+    smallest plan, which the frame refuses)."""
     objective = max(problem.objective(choice), 1e-12)
-    peak = max(memory_of(choice), 1.0)
+    peak = max(memory.peak(choice), 1.0)
     smallest = choice
     for scale in 10.0 ** np.arange(-3, 7):
-        candidate = solver(problem, scale * objective / peak)
-        if memory_of(candidate) <= budget:
+        candidate = solve(problem, scale * objective / peak)
+        if memory.fits(candidate):
             return candidate
-        if memory_of(candidate) < memory_of(smallest):
+        if memory.peak(candidate) < memory.peak(smallest):
             smallest = candidate
     return smallest
 
@@ -210,7 +248,7 @@ def _memory_cut(problem: Problem, position: int, budget: float
     return coeffs, budget
 
 
-def _fold(cut: tuple[dict[int, np.ndarray], float], owner: dict[int, int] | None
+def _fold(cut: tuple[dict[int, np.ndarray], float], owner: Mapping[int, int] | None
           ) -> tuple[dict[int, np.ndarray], float]:
     """A memory cut on the quotient problem: members' coefficients add up on their owner."""
     if owner is None:

@@ -5,9 +5,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from jaxpar._src.combine import (
+    ProgramCost,
+    deferred_bucket,
+    deferred_nodes,
+    price_plan,
+    sibling_buckets,
+)
 from jaxpar._src.cost import Cost, CostModel
-from jaxpar._src.graph import Node, OpGraph
-from jaxpar._src.rules import FactorRule, OpStrategy, enumerate_strategies, op_view, rule_for
+from jaxpar._src.graph import Node, NodeKind, OpGraph
+from jaxpar._src.rules import (
+    FactorRule,
+    OpStrategy,
+    enumerate_strategies,
+    op_view,
+    rule_for,
+)
 from jaxpar._src.spec import Spec
 
 
@@ -37,7 +50,10 @@ class SearchSpace:
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
-        self._gradients: frozenset[int] | None = None
+        self._deferred: frozenset[int] | None = None
+        self._bucket: float | None = None
+        self._siblings: dict[int, float] | None = None
+        self._priced: dict[tuple, ProgramCost] = {}
 
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
@@ -49,45 +65,69 @@ class SearchSpace:
         return enumerate_strategies(self.rule(nid), self.model.mesh)
 
     def op_cost(self, nid: int, strategy: OpStrategy) -> Cost:
+        """The operator's compute and own collectives, as the searches price them: a deferred
+        operator's all-reduces pay their share of a combined all-reduce of
+        :attr:`bucket_bytes` (``combine.py``)."""
         key = (nid, strategy)
         cost = self._op_costs.get(key)
         if cost is None:
             node = self.graph.nodes[nid]
             view = _shapes(self.graph, node)
             rule = self.rule(nid)
-            combined = nid in self.gradients
-            signature = (rule, strategy, view[1], view[3], node.weight, combined)
+            bucket = self.bucket_of(nid)
+            signature = (rule, strategy, view[1], view[3], node.weight, bucket)
             cost = self._signature_costs.get(signature)
             if cost is None:
                 cost = self._signature_costs[signature] = self.model.op_cost(
-                    rule, strategy, *view, weight=node.weight, combined=combined)
+                    rule, strategy, *view, weight=node.weight, bucket=bucket)
             self._op_costs[key] = cost
         return cost
 
     @property
-    def gradients(self) -> frozenset[int]:
-        """Operators whose results reach a non-scalar result of the program through no other
-        contraction: gradients (and the updates made from them).  Their partial-sum
-        all-reduces are independent of one another, and XLA combines them."""
-        if self._gradients is None:
-            graph = self.graph
-            seen: set[int] = set()
-            work = [n for n in graph.outputs if graph.nodes[n].inputs and
-                    graph.operand_shape(graph.nodes[n].inputs[0])]
-            while work:
-                nid = work.pop()
-                if nid in seen:
-                    continue
-                seen.add(nid)
-                node = graph.nodes[nid]
-                if node.kind == "op" and node.name in ("dot_general", "conv_general_dilated") \
-                        and nid not in graph.outputs:
-                    continue  # the contraction that made the gradient: stop here
-                for o in node.inputs:
-                    if isinstance(o, int):
-                        work.append(graph.values[o].producer)
-            self._gradients = frozenset(seen)
-        return self._gradients
+    def deferred(self) -> frozenset[int]:
+        """Operators whose results reach no contraction (gradients, optimizer, loss): XLA
+        combines their all-reduces, and nothing heavy waits for them."""
+        if self._deferred is None:
+            self._deferred = deferred_nodes(self.graph)
+        return self._deferred
+
+    @property
+    def bucket_bytes(self) -> float:
+        """Bytes of the combined all-reduce a deferred all-reduce travels in (0: XLA does not
+        combine all-reduces on this hardware)."""
+        if self._bucket is None:
+            self._bucket = deferred_bucket(self.graph, self.model, self.deferred)
+        return self._bucket
+
+    def bucket_of(self, nid: int) -> float:
+        """Bytes of the combined all-reduce the operator's all-reduces travel in (0: alone):
+        deferred operators' all-reduces travel with the gradients; contractions whose results
+        are summed with their siblings' travel with those (``combine.py``)."""
+        if nid in self.deferred:
+            return self.bucket_bytes
+        if self._siblings is None:
+            self._siblings = sibling_buckets(self.graph) \
+                if self.model.hw.combine_threshold("all-reduce") > 0 else {}
+        return self._siblings.get(nid, 0.0)
+
+    def alone(self) -> SearchSpace:
+        """This space with every gradient all-reduce priced on its own (no combining)."""
+        other = SearchSpace(self.graph, self.model)
+        other._rules = self._rules
+        other._deferred = self.deferred
+        other._siblings = self._siblings
+        other._bucket = 0.0
+        return other
+
+    def calibrate(self, strategies: Mapping[int, OpStrategy]) -> None:
+        """Sets :attr:`bucket_bytes` from a full plan (pure data parallel): the size of the
+        combined all-reduces its gradients become."""
+        priced = self.price(strategies)
+        buckets = [c.nbytes for c in priced.collectives if c.deferred]
+        if buckets:
+            self._bucket = sum(buckets) / len(buckets)
+            self._op_costs.clear()
+            self._signature_costs.clear()
 
     def edge_weight(self, producer: int, consumer: int) -> float:
         """How often a layout change on this edge runs: once per run of the rarer end."""
@@ -102,18 +142,30 @@ class SearchSpace:
             return 0.0
         return self.edge_weight(producer, consumer) * sum(c.time for c in colls)
 
+    def price(self, strategies: Mapping[int, OpStrategy]) -> ProgramCost:
+        """A full assignment priced as XLA runs it: combined collectives, overlap, step time."""
+        nodes = [n.id for n in self.graph.searchable()]
+        key = tuple(strategies[n] for n in nodes)
+        found = self._priced.get(key)
+        if found is None:
+            if len(self._priced) > 8:  # a few plans are compared; keep the memory small
+                self._priced.clear()
+            flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
+            found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
+                                                   self.deferred, self.edge_weight)
+        return found
+
     def total_time(self, strategies: Mapping[int, OpStrategy]) -> float:
-        """Simulated seconds of a full assignment: every node's cost and every layout change."""
+        """Seconds of a full assignment as the searches price it (every node's cost and every
+        layout change, each on its own); :meth:`price` is what XLA will run."""
         graph = self.graph
         hw = self.model.hw
         total = sum(self.op_cost(n.id, strategies[n.id]).time(hw) for n in graph.searchable())
-        for producer, j, consumer, i in graph.edges():
-            if graph.nodes[consumer].kind == "control" or producer == consumer:
-                continue
-            src = strategies[producer].out_specs[j]
-            dst = strategies[consumer].in_specs[i]
+        for e in graph.priced_edges():
+            src = strategies[e.producer].out_specs[e.out_index]
+            dst = strategies[e.consumer].in_specs[e.in_index]
             if src != dst:
-                total += self.edge_time(producer, j, src, consumer, dst)
+                total += self.edge_time(e.producer, e.out_index, src, e.consumer, dst)
         return total
 
     def edge_cost(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
@@ -124,7 +176,7 @@ class SearchSpace:
 
 
 def _shapes(graph: OpGraph, node: Node) -> tuple:
-    if node.kind == "op":
+    if node.kind is NodeKind.OP:
         view = op_view(graph, node)
         return view.in_shapes, view.in_dtypes, view.out_shapes, view.out_dtypes
     ins = tuple(graph.operand_shape(o) for o in node.inputs)

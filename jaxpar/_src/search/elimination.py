@@ -12,17 +12,22 @@ neighbours and recording, for every choice of what remains, the best choice of w
   (exact; this turns the ladder a forward and a backward pass make into a chain), as long as the
   pair list stays small;
 * otherwise, when what is left is small enough, that *final graph* is solved exactly (MindSpore
-  enumerates its final graph; here the integer program of ``optimal.py`` does it);
+  enumerates its final graph; here the integer program of ``optimal.py`` does it).  "Small" is
+  the size of that program (:data:`CORE_VARIABLES`), not the number of nodes: on a mesh of
+  three axes an operator has 64 to 125 candidates, an edge up to 15,000 candidate pairs, and a
+  core of a hundred nodes is an integer program of a million variables that takes minutes;
 * otherwise the lightest node is folded into its heaviest neighbour, its own choice fixed per
-  choice of that neighbour (*star elimination*, the only approximate step).
+  choice of that neighbour (*star elimination*, the first approximate step; the other is a
+  final graph whose relaxation is not integral, solved over the candidates the relaxation
+  uses).
 
 A node left alone takes its cheapest candidate; the recorded decisions are then replayed in
-reverse to recover every choice.  Without star eliminations (chains, trees, series-parallel
-graphs, ladders) the result is the exact optimum of the cost model; the statistics say how many
-star eliminations a solve needed, and when there were any, the search polishes the result with
-the local search of ``recursive.py``.  Costs are seconds of
-compute plus communication; the memory limit is applied by the caller, which re-solves with
-memory priced in when a plan does not fit.
+reverse to recover every choice.  Without approximate steps (chains, trees, series-parallel
+graphs, ladders) the result is the exact optimum of the cost model; the statistics say whether
+a solve approximated (and how large its tables and integer program were), and when it did, the
+search polishes the result (``polish.py``).  Costs are seconds of compute plus communication;
+the memory limit is applied by the caller, which re-solves with memory priced in when a plan
+does not fit.
 
 References: MindSpore ``auto_parallel/dp_algo_costmodel.cc``, ``graph_costmodel.cc``.
 """
@@ -34,26 +39,43 @@ import heapq
 
 import numpy as np
 
+from jaxpar._src.errors import PlanError
+from jaxpar._src.search.optimal import IlpResult, ilp_variables, solve_optimal
 from jaxpar._src.search.problem import Problem
 
 PAIR_LIMIT = 1024  # largest candidate list a merged pair of nodes may have
 WORK_LIMIT = 4e6  # largest table (candidate triples) an exact elimination may build
-
-
-CORE_LIMIT = 3000  # largest remaining graph solved exactly when no elimination is exact
+# Largest integer program (variables) that solves the final graph exactly; about a second of
+# HiGHS on one core.  Beyond it, star eliminations shrink the graph until it fits.
+CORE_VARIABLES = 40_000
+CORE_TIME_LIMIT = 20.0  # seconds (a safety: the relaxation of such a program takes one)
 
 
 @dataclasses.dataclass
 class EliminationStats:
+    """What an elimination solve did; ``exact`` when no step approximated."""
+
     leaf: int = 0
     operator: int = 0
     pair: int = 0
     star: int = 0
     core: int = 0  # nodes left for the exact solve of the final graph
+    core_variables: int = 0  # its integer program's size
+    core_exact: bool = True  # its relaxation was integral (else: a neighbourhood's optimum)
+    largest_table: int = 0  # entries of the largest table an elimination built
+
+    @property
+    def exact(self) -> bool:
+        return not self.star and self.core_exact
 
 
-def solve_elimination(problem: Problem, *, memory_price: float = 0.0
+def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
+                      core_variables: int | None = None
                       ) -> tuple[dict[int, int], EliminationStats]:
+    """Eliminates ``problem``'s nodes (module docstring); its final graph is solved by an
+    integer program of at most ``core_variables`` (default :data:`CORE_VARIABLES`)."""
+    if core_variables is None:
+        core_variables = CORE_VARIABLES
     cost = {r: problem.cost[r] + memory_price * problem.mem[r] for r in problem.reps}
     for r, k in problem.forced.items():
         mask = np.full(len(cost[r]), np.inf)
@@ -94,6 +116,8 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             size *= len(cost[u])
         return size
 
+    recheck = len(alive)  # try the final graph's exact solve once it has this many nodes
+    counted: dict = {}  # ilp_variables' memory of the edges it counted
     heap = [(work(n), n) for n in alive]
     heapq.heapify(heap)
     by_degree = [(len(adjacency[n]), n) for n in alive]  # for when no step is exact
@@ -115,12 +139,19 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             if w_v <= WORK_LIMIT:
                 v = heapq.heappop(heap)[1]
             break
-        if v is None and len(alive) <= CORE_LIMIT:
+        if v is None and len(alive) <= recheck:
             # No exact step left: solve the remaining core exactly, as MindSpore solves its
-            # final graph (there by enumeration, here by the integer program).
-            records.append(("core", _solve_core(problem, alive, cost, edges)))
-            stats.core = len(alive)
-            break
+            # final graph (there by enumeration, here by the integer program), if it is small
+            # enough; else look again once star eliminations have shrunk it by a quarter.
+            core = _core_problem(problem, alive, cost, edges)
+            size = ilp_variables(core, limit=core_variables, seen=counted)
+            solved = _solve_core(core) if size <= core_variables else None
+            if solved is not None:
+                records.append(("core", solved.choice))
+                stats.core, stats.core_variables = len(alive), size
+                stats.core_exact = solved.optimal
+                break
+            recheck = (3 * len(alive)) // 4
         while v is None:  # every node is costly or has three or more neighbours
             d, n = heapq.heappop(by_degree)
             if n in alive and d == len(adjacency[n]):
@@ -133,6 +164,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             (u,) = nbrs
             total = edge(u, v) + cost[v][None, :]
             best = np.argmin(total, axis=1)
+            stats.largest_table = max(stats.largest_table, total.size)
             cost[u] = cost[u] + total[np.arange(total.shape[0]), best]
             records.append(("leaf", v, u, best))
             stats.leaf += 1
@@ -140,6 +172,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
             u, w = nbrs
             total = edge(u, v)[:, :, None] + cost[v][None, :, None] + edge(v, w)[None, :, :]
             best = np.argmin(total, axis=1)
+            stats.largest_table = max(stats.largest_table, total.size)
             new = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
             records.append(("operator", v, u, w, best))
             drop(v)
@@ -156,6 +189,8 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
                 next_id += 1
                 nb = len(cost[b])
                 joint = cost[a][:, None] + cost[b][None, :] + edge(a, b)
+                stats.largest_table = max(stats.largest_table, joint.size * max(
+                    (len(cost[w]) for w in adjacency[a] | adjacency[b]), default=1))
                 cost[p] = joint.reshape(-1)
                 adjacency[p] = set()
                 for w in (adjacency[a] | adjacency[b]) - {a, b}:
@@ -207,17 +242,23 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0
     return {r: int(choice[r]) for r in problem.reps}, stats
 
 
-def _solve_core(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
-                edges: dict[tuple[int, int], np.ndarray]) -> dict[int, int]:
-    from jaxpar._src.search.optimal import solve_optimal
-
+def _core_problem(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
+                  edges: dict[tuple[int, int], np.ndarray]) -> Problem:
     reps = sorted(alive)
-    core = dataclasses.replace(
+    return dataclasses.replace(
         problem, reps=reps, cands={r: tuple(range(len(cost[r]))) for r in reps},
         cost={r: cost[r] for r in reps}, mem={r: np.zeros(len(cost[r])) for r in reps},
         edges={k: m for k, m in edges.items() if k[0] in alive and k[1] in alive},
         forced={}, groups=[], members=None)
-    return solve_optimal(core).choice
+
+
+def _solve_core(core: Problem) -> IlpResult | None:
+    """Exact when the relaxation is integral; else the relaxation's neighbourhood (no
+    branching: its time is what this bound is for)."""
+    try:
+        return solve_optimal(core, time_limit=CORE_TIME_LIMIT, branch=False)
+    except PlanError:  # nothing found in time: go on with star eliminations
+        return None
 
 
 def _best_pair(v: int, adjacency: dict[int, set[int]], cost: dict[int, np.ndarray]

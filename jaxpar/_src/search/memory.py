@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxpar._src.graph import OpGraph
+from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.spec import MeshShape
 
@@ -35,8 +35,9 @@ def live_ranges(graph: OpGraph) -> list[tuple[int, int, int]]:
     out = []
     for v in graph.values:
         kind = graph.nodes[v.producer].kind
-        first = 0 if kind in ("input", "const") else v.producer
-        stop = end if kind in ("input", "const") else last[v.id]
+        held = kind in (NodeKind.INPUT, NodeKind.CONST)  # arguments live throughout
+        first = 0 if held else v.producer
+        stop = end if held else last[v.id]
         out.append((v.id, first, stop))
     return out
 
@@ -57,7 +58,7 @@ def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: Mesh
         b = value_bytes(graph, strategies, mesh, vid)
         delta[first] += b
         delta[stop + 1] -= b
-        if graph.nodes[graph.values[vid].producer].kind == "input":
+        if graph.nodes[graph.values[vid].producer].kind is NodeKind.INPUT:
             arguments += b
     live = np.cumsum(delta)[:n]
     at = int(np.argmax(live))
@@ -73,8 +74,3 @@ def replicated_peak(graph: OpGraph) -> float:
         delta[first] += b
         delta[stop + 1] -= b
     return float(np.max(np.cumsum(delta)[:n]))
-
-
-def live_at(graph: OpGraph, position: int) -> list[int]:
-    """Values live at a graph position."""
-    return [vid for vid, first, stop in live_ranges(graph) if first <= position <= stop]

@@ -4,8 +4,8 @@ From the operator graph and the cost model it builds a smaller *coarse graph*:
 
 * every searchable node gets its candidate strategies, a pinned node exactly one.
   ``fully_use_devices`` (MindSpore's algorithm parameter, on by default) makes contractions
-  (``dot_general``, convolutions: the work worth splitting) split over every device when they
-  can;
+  (rules registered as ``OpCategory.CONTRACTION``: ``dot_general``, convolutions, the work worth
+  splitting) split over every device when they can;
 * a node that only passes one input through (an elementwise operator of one tensor, a
   conversion, an unpinned result) **follows** its producer: it is folded into the producer,
   taking, for each of the producer's candidates, the candidate that matches it exactly; a state
@@ -30,9 +30,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxpar._src.graph import Const
-from jaxpar._src.rules import OpStrategy
+from jaxpar._src.compat import call_sites
+from jaxpar._src.graph import Const, NodeKind, Role
+from jaxpar._src.rules import OpCategory, OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
+from jaxpar._src.search.useful import prune, useless_factors
 from jaxpar._src.spec import Spec
 
 
@@ -52,6 +54,44 @@ class Problem:
     origins: dict[int, str]  # pin origins
     members: dict[int, tuple[int, ...]] | None = None  # quotient: the reps each node stands for
 
+    @classmethod
+    def from_tables(cls, cost: Mapping[int, np.ndarray],
+                    edges: Mapping[tuple[int, int], np.ndarray]) -> Problem:
+        """A problem given by its cost tables alone (no graph behind it; candidates are
+        numbered): what the solvers of ``elimination.py`` and ``optimal.py`` need, for tests
+        and for sub-problems.
+
+        >>> p = Problem.from_tables({0: np.array([1.0, 0.0]), 1: np.zeros(3)},
+        ...                         {(0, 1): np.ones((2, 3))})
+        >>> p.objective({0: 1, 1: 0})
+        1.0
+        """
+        reps = sorted(cost)
+        return cls(None, reps, {r: tuple(range(len(cost[r]))) for r in reps},  # type: ignore
+                   {r: np.asarray(cost[r], dtype=float) for r in reps},
+                   {r: np.zeros(len(cost[r])) for r in reps},
+                   {k: np.asarray(m, dtype=float) for k, m in edges.items()}, {}, {}, [], {})
+
+    def restricted(self, kept: Mapping[int, np.ndarray]) -> Problem:
+        """The problem where node ``r`` may take only the candidates ``kept[r]`` (indices
+        into its list, including a pinned node's one); its choices index into ``kept[r]``.
+        For solving only (:meth:`expand` needs the full problem).
+
+        >>> p = Problem.from_tables({0: np.array([3.0, 1.0, 2.0])}, {})
+        >>> p.restricted({0: np.array([0, 2])}).cost[0]
+        array([3., 2.])
+        """
+        forced = {}
+        for r, k in self.forced.items():
+            (where,) = np.flatnonzero(kept[r] == k)
+            forced[r] = int(where)
+        return dataclasses.replace(
+            self, cands={r: tuple(self.cands[r][k] for k in kept[r]) for r in self.reps},
+            cost={r: self.cost[r][kept[r]] for r in self.reps},
+            mem={r: self.mem[r][kept[r]] for r in self.reps},
+            edges={(u, v): m[np.ix_(kept[u], kept[v])] for (u, v), m in self.edges.items()},
+            forced=forced)
+
     def members_of(self, r: int) -> tuple[int, ...]:
         return self.members[r] if self.members is not None else (r,)
 
@@ -61,9 +101,6 @@ class Problem:
         for (u, v), m in self.edges.items():
             total += float(m[choice[u], choice[v]])
         return total
-
-    def memory(self, choice: Mapping[int, int]) -> float:
-        return sum(float(self.mem[r][choice[r]]) for r in self.reps)
 
     def neighbours(self) -> dict[int, set[int]]:
         adj: dict[int, set[int]] = {r: set() for r in self.reps}
@@ -79,16 +116,6 @@ class Problem:
             out[f] = self.cands[f][int(index_map[choice[rep]])]
         return out
 
-    def choice_of(self, strategies: Mapping[int, OpStrategy]) -> dict[int, int] | None:
-        """The candidate indices of a full assignment, if every rep's strategy is a candidate."""
-        out = {}
-        for r in self.reps:
-            try:
-                out[r] = self.cands[r].index(strategies[r])
-            except ValueError:
-                return None
-        return out
-
 
 def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tuple[int, int]] = (),
                   fully_use_devices: bool = True) -> Problem:
@@ -97,23 +124,32 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     pinned = {p.node: p for p in pins}
     searchable = [n.id for n in graph.searchable()]
     cands: dict[int, tuple[OpStrategy, ...]] = {}
-    filtered: dict[tuple[int, bool, bool], tuple[OpStrategy, ...]] = {}
+    # What a node's candidate list depends on (its rule and how it is filtered, or its pin):
+    # nodes with one key share one list, and the caches below are keyed by it.
+    kinds: dict[int, tuple] = {}
+    filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
+    dead = useless_factors(space, pins)  # splits no contraction can use (search/useful.py)
     for nid in searchable:
         if nid in pinned:
-            cands[nid] = (pinned[nid].strategy,)
+            kinds[nid] = ("pin", pinned[nid].strategy)
+            cands[nid] = filtered.setdefault(kinds[nid], (pinned[nid].strategy,))
             continue
-        everything = space.candidates(nid)  # one shared tuple per distinct rule
         node = graph.nodes[nid]
-        key = (id(everything), fully_use_devices and node.kind == "op",
-               node.name in CONTRACTIONS)
+        rule = space.rule(nid)
+        key = kinds[nid] = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
+                            rule.category is OpCategory.CONTRACTION, dead.get(nid))
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
-            # only permute which device holds which block; pins may still use them).
-            options = tuple(c for c in everything if all(
-                list(axes) == sorted(axes, key=mesh.names.index) for axes in c.factor_axes))
-            if key[1]:
-                options = _use_all_devices(options, mesh, key[2])
+            # only permute which device holds which block; pins may still use them).  An axis
+            # of size 1 splits nothing: candidates using it only duplicate others.
+            options = tuple(c for c in space.candidates(nid) if all(
+                list(axes) == sorted(axes, key=mesh.names.index)
+                and all(mesh.size(a) > 1 for a in axes) for axes in c.factor_axes))
+            if key[2]:
+                options = _use_all_devices(options, mesh, key[3])
+            if key[4]:
+                options = prune(options, key[4])
             filtered[key] = options
         cands[nid] = options
 
@@ -146,7 +182,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 ok = False
                 break
             index[k] = match
-        if ok and node.kind != "control":
+        if ok and node.kind is not NodeKind.CONTROL:
             follow[nid] = (rep, index)
 
     reps = [n for n in searchable if n not in follow]
@@ -158,11 +194,11 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # port is an array of ids over its rep's candidates (repeated layers share the arrays).
     spec_ids: dict[Spec, int] = {}
     specs: list[Spec] = []
-    own_ports: dict[tuple[int, str, int], np.ndarray] = {}
+    own_ports: dict[tuple[tuple, str, int], np.ndarray] = {}
 
     def port(nid: int, side: str, idx: int) -> np.ndarray:
         options = cands[nid]
-        key = (id(options), side, idx)
+        key = (kinds[nid], side, idx)
         own = own_ports.get(key)
         if own is None:
             ids = []
@@ -184,15 +220,15 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     for nid in searchable:
         members[rep_of(nid)].append(nid)
     vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    gradients = space.gradients
     for r in reps:
         for nid in members[r]:
             node = graph.nodes[nid]
             index = follow[nid][1] if nid in follow else None
             outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-            signature = (space.rule(nid), id(cands[nid]),
+            signature = (space.rule(nid), kinds[nid],
                          None if index is None else index.tobytes(), node.weight,
-                         nid in gradients, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
+                         space.bucket_of(nid), outs,
+                         tuple(graph.operand_dtype(o) for o in node.inputs))
             found = vectors.get(signature)
             if found is None:  # repeated layers: price each kind of node once
                 options = cands[nid]
@@ -209,9 +245,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # -- edges --------------------------------------------------------------------------------
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrices: dict[tuple, np.ndarray] = {}
-    for producer, j, consumer, i in graph.edges():
-        if graph.nodes[consumer].kind == "control" or producer == consumer:
-            continue
+    for producer, j, consumer, i in graph.priced_edges():
         ru, rv = rep_of(producer), rep_of(consumer)
         src = port(producer, "out", j)
         dst = port(consumer, "in", i)
@@ -238,7 +272,6 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins)
 
 
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 TIE_BREAK_S_PER_BYTE = 1e-21
 
 
@@ -268,13 +301,13 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
     """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on."""
     graph = space.graph
     node = graph.nodes[nid]
-    if node.kind not in ("op", "output", "exit") or len(node.outputs) > 1:
+    if node.kind not in (NodeKind.OP, NodeKind.OUTPUT, NodeKind.EXIT) or len(node.outputs) > 1:
         return None
     values = [(i, o) for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
     if len(values) != 1:
         return None
     i, operand = values[0]
-    if node.kind == "op":
+    if node.kind is NodeKind.OP:
         rule = space.rule(nid)
         if rule.reductions or rule.blocked:
             return None
@@ -283,7 +316,7 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
         others = [t for k, t in enumerate(rule.operands) if k != i]
         if any(any(d) for t in others for d in t):
             return None
-    elif node.kind == "exit" and node.name not in ("carry_out",):
+    elif node.kind is NodeKind.EXIT and node.role is not Role.CARRY_OUT:
         return None
     v = graph.values[operand]
     return v.producer, v.index, i
@@ -308,42 +341,58 @@ def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,
 
 def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, forced: Mapping
                   ) -> list[list[int]]:
-    """Nodes that repeat once per layer: operators with the same source line, primitive,
-    shapes and rule; arguments with the same path but for layer numbers.  An operator without
-    a source line (JAX's own code: masks, the backward pass) is known by its neighbours' keys
-    instead, which repeat with the layer too.  Sharing also the first and last layer (where the
-    layers meet the embedding and the head) lost nothing on the benchmark models and halves the
-    searched graph.  (Identical layers that should alternate, such as a Megatron MLP written
-    as a loop over one layer, therefore only alternate in graphs small enough to search
-    unshared.)"""
+    """Nodes that repeat once per layer.
+
+    Each node starts from a key: an operator its primitive, rule and call sites (every line of
+    the user's code on the way to it: one line in a helper, such as a dense layer called for the
+    query and for the output projection, is two operators, not one repeated); an argument its
+    path with layer numbers blanked; anything else its kind and shapes.  Keys are then refined
+    by the neighbours' keys, round by round (the Weisfeiler-Lehman colour refinement), so that
+    operators one line of library code makes for many tensors (an optimizer's update of every
+    parameter) are told apart by the parameter they update, while the layers in the middle of a
+    stack stay alike.  Nodes still alike after the rounds share a strategy.  Layers near the
+    ends of the stack (where it meets the embedding and the head) come apart within the
+    rounds' reach.  (Identical layers that should alternate, such as a Megatron MLP written as a
+    loop over one layer, therefore only alternate in graphs small enough to search unshared.)
+    """
     graph = space.graph
-    keys: dict[int, tuple] = {}
-    anonymous = []
+    first: dict[tuple, int] = {}
+    colour = []
+    for node in graph.nodes:
+        nid = node.id
+        shapes = tuple(graph.values[v].shape for v in node.outputs)
+        if node.kind is NodeKind.OP and node.source != "?":
+            where = call_sites(node.eqn) if node.eqn is not None else ()
+            key = ("op", node.name, where or node.source, space.rule(nid), node.weight,
+                   cands.get(nid))
+        elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
+            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, cands.get(nid))
+        elif node.kind is NodeKind.OP:
+            key = ("op", node.name, space.rule(nid), node.weight, cands.get(nid))
+        else:
+            key = (node.kind, node.name, shapes, node.weight, cands.get(nid))
+        colour.append(first.setdefault(key, len(first)))
+    around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
+    for producer, j, consumer, i in graph.edges():
+        around[producer].append((0, j, i, consumer))
+        around[consumer].append((1, i, j, producer))
+    classes = len(first)
+    for _ in range(REFINE_ROUNDS):
+        ids: dict[tuple, int] = {}
+        colour = [ids.setdefault((colour[n], tuple(sorted(
+            (side, a, b, colour[m]) for side, a, b, m in around[n]))), len(ids))
+            for n in range(len(colour))]
+        if len(ids) == classes:
+            break
+        classes = len(ids)
+    buckets: dict[int, list[int]] = collections.defaultdict(list)
     for r in reps:
-        node = graph.nodes[r]
-        if r in forced:
-            continue
-        if node.kind == "op" and node.source != "?":
-            keys[r] = ("op", node.name, node.source, space.rule(r), node.weight, cands[r])
-        elif node.kind in ("input", "const") and node.label:
-            keys[r] = ("arg", re.sub(r"\d+", "#", node.label), space.rule(r), cands[r])
-        elif node.kind == "op":
-            anonymous.append(r)
-    ids: dict[tuple, int] = {}  # keys by number, so neighbours' keys compare cheaply
-    for _ in range(4):  # a chain of anonymous operators takes keys from both ends
-        named = {}
-        for r in anonymous:
-            node = graph.nodes[r]
-            around = sorted({ids.setdefault(keys[n], len(ids)) for p, _, c, _ in
-                             graph.neighbours(r) for n in (p, c) if n != r and n in keys})
-            if around:
-                named[r] = ("near", node.name, tuple(around), space.rule(r), node.weight,
-                            cands[r])
-        keys.update(named)
-    buckets: dict[tuple, list[int]] = collections.defaultdict(list)
-    for r, key in keys.items():
-        buckets[key].append(r)
+        if r not in forced:
+            buckets[colour[r]].append(r)
     return [members for members in buckets.values() if len(members) > 1]
+
+
+REFINE_ROUNDS = 4  # enough to reach from a parameter through its optimizer update
 
 
 def quotient(problem: Problem) -> tuple[Problem, dict[int, int]]:

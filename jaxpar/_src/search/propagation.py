@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 
 from jaxpar._src.errors import PlanError
-from jaxpar._src.graph import OpGraph
+from jaxpar._src.graph import Edge, NodeKind, OpGraph, Role
 from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.spec import Spec
@@ -70,9 +70,9 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
         return 2
 
     def discover(u: int) -> None:
-        for producer, _, consumer, _ in graph.neighbours(u):
-            v = consumer if producer == u else producer
-            if v in strategies or graph.nodes[v].kind == "control":
+        for e in graph.neighbours(u):
+            v = e.consumer if e.producer == u else e.producer
+            if v in strategies or graph.nodes[v].kind is NodeKind.CONTROL:
                 continue
             if v not in discovered:
                 discovered[v] = next(counter)
@@ -114,7 +114,7 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
 def _tied_strategy(space: SearchSpace, node: int, strategy: OpStrategy) -> OpStrategy | None:
     """The strategy giving ``node`` (an input or output) the layout of its partner."""
     spec = (strategy.out_specs or strategy.in_specs)[0]
-    side = "out" if space.graph.nodes[node].kind in ("input", "const") else "in"
+    side = "out" if space.graph.nodes[node].kind in (NodeKind.INPUT, NodeKind.CONST) else "in"
     return strategy_for_specs(space.rule(node), {(side, 0): spec}, space.model.mesh)
 
 
@@ -122,14 +122,11 @@ def _dataflow(graph: OpGraph) -> tuple[dict[int, set[int]], dict[int, set[int]]]
     """Producers and consumers per node, leaving out loop back edges and control nodes."""
     producers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
     consumers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
-    for producer, _, consumer, i in graph.edges():
-        node = graph.nodes[consumer]
-        if node.kind == "control" or producer == consumer:
-            continue
-        if node.kind == "enter" and node.name == "carry" and i == 1:
+    for e in graph.priced_edges():
+        if graph.nodes[e.consumer].role is Role.CARRY and e.in_index == 1:
             continue  # the back edge: deciding the carry must not wait for the loop body
-        producers[consumer].add(producer)
-        consumers[producer].add(consumer)
+        producers[e.consumer].add(e.producer)
+        consumers[e.producer].add(e.consumer)
     return producers, consumers
 
 
@@ -149,18 +146,18 @@ def _anchored(pinned: Sequence[int], consumers: dict[int, set[int]]) -> set[int]
 def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) -> OpStrategy:
     """The candidate of ``v`` that fits its decided neighbours best (module docstring order)."""
     graph = space.graph
-    edges = []
-    for producer, j, consumer, i in graph.neighbours(v):
-        other = consumer if producer == v else producer
-        if other == v or other not in decided or graph.nodes[other].kind == "control":
+    edges: list[tuple[Edge, OpStrategy]] = []  # to decided neighbours, with their strategy
+    for e in graph.neighbours(v):
+        other = e.consumer if e.producer == v else e.producer
+        if other == v or other not in decided or graph.nodes[other].kind is NodeKind.CONTROL:
             continue
-        edges.append((producer, j, consumer, i, decided[other]))
+        edges.append((e, decided[other]))
     # Fast path: the candidate that matches every decided neighbour exactly and splits nothing
     # else, if it needs no communication of its own, wins on every criterion.
     wanted: dict[tuple[str, int], Spec] = {}
-    for producer, j, _, i, other in edges:
-        port, spec = (("out", j), other.in_specs[i]) if producer == v else \
-            (("in", i), other.out_specs[j])
+    for e, other in edges:
+        port, spec = (("out", e.out_index), other.in_specs[e.in_index]) if e.producer == v \
+            else (("in", e.in_index), other.out_specs[e.out_index])
         if wanted.setdefault(port, spec) != spec:
             break
     else:
@@ -172,16 +169,19 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
     memo: dict[tuple[int, Spec], float] = {}  # candidates share port layouts: price each once
     for index, cand in enumerate(candidates):
         comm, mismatches = 0.0, 0
-        for e, (producer, j, consumer, i, other) in enumerate(edges):
-            if producer == v:
-                mine, src, dst = cand.out_specs[j], cand.out_specs[j], other.in_specs[i]
+        for k, (e, other) in enumerate(edges):
+            if e.producer == v:
+                mine = src = cand.out_specs[e.out_index]
+                dst = other.in_specs[e.in_index]
             else:
-                mine, src, dst = cand.in_specs[i], other.out_specs[j], cand.in_specs[i]
+                src, mine = other.out_specs[e.out_index], cand.in_specs[e.in_index]
+                dst = mine
             if src != dst:
                 mismatches += 1
-                t = memo.get((e, mine))
+                t = memo.get((k, mine))
                 if t is None:
-                    t = memo[(e, mine)] = space.edge_time(producer, j, src, consumer, dst)
+                    t = memo[(k, mine)] = space.edge_time(e.producer, e.out_index, src,
+                                                          e.consumer, dst)
                 comm += t
         scored.append((round(comm, 15), mismatches, index))
     best_edge = min(scored)[:2]

@@ -15,11 +15,12 @@ links first), and "cutting a dimension" is giving that axis to one of the operat
 After the last axis each operator holds one strategy (up to axis order, settled by cost).  A
 local search (each node, then each pair of neighbours, taking its best choice given the rest)
 and a refinement (the elimination DP over a few alternatives per node: the best given its
-neighbours and the cheapest on its own) then fix what the greedy rounds could not see.  The
+neighbours and the cheapest on its own), both in ``polish.py``, then fix what the greedy
+rounds could not see.  The
 rounds run in weight order and in graph order (MindSpore's ``TopologyOrder`` option, which
 lets each layer see the one before it); the cheaper start under the cost model is refined.
-Linear in the number of operators per axis, apart from the refinement's exact solve of the
-graph's core.
+Linear in the number of operators per axis, apart from the refinement's solve of the graph's
+core (an integer program of bounded size).
 
 References: Wang et al., "Efficient and Systematic Partitioning of Large and Deep Neural
 Networks for Parallelization", Euro-Par 2021; MindSpore ``rec_core/rec_partition.cc``.
@@ -28,14 +29,13 @@ Networks for Parallelization", Euro-Par 2021; MindSpore ``rec_core/rec_partition
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import numpy as np
 
-from jaxpar._src.graph import Const
+from jaxpar._src.graph import Const, NodeKind
+from jaxpar._src.rules import OpCategory
+from jaxpar._src.search.polish import better, edge_rows, improve, refine
 from jaxpar._src.search.problem import Problem
-
-CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
@@ -48,9 +48,9 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     implied = {r: sum(_implied_cost(problem, r, m, priced) for m in problem.members_of(r))
                for r in problem.reps}
     weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
-              if graph.nodes[r].kind == "op" else 0.0 for r in problem.reps}
-    light = {r for r in problem.reps if weight[r] == 0.0 or graph.nodes[r].name not in
-             CONTRACTIONS}
+              if graph.nodes[r].kind is NodeKind.OP else 0.0 for r in problem.reps}
+    light = {r for r in problem.reps
+             if weight[r] == 0.0 or space.rule(r).category is not OpCategory.CONTRACTION}
     best, best_cost = None, None
     orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
     axes = tuple(space.model.mesh.names)
@@ -61,33 +61,6 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
         if best_cost is None or cost < best_cost:
             best, best_cost = choice, cost
     return improve(problem, refine(problem, best), sweeps=sweeps)
-
-
-def refine(problem: Problem, choice: dict[int, int], keep: int = 8) -> dict[int, int]:
-    """Re-solves over a few alternatives per operator with the elimination DP: its current
-    choice, its ``keep`` best given the neighbours' current choices, and its ``keep`` cheapest
-    on its own.  The rounds decide what is worth considering, the DP how it fits together."""
-    from jaxpar._src.search.elimination import solve_elimination
-
-    adjacency = problem.neighbours()
-    kept: dict[int, np.ndarray] = {}
-    for r in problem.reps:
-        local = problem.cost[r].copy()
-        for u in adjacency[r]:
-            local += _edge(problem, r, u)[:, choice[u]]
-        ranked = [int(k) for k in np.argsort(local, kind="stable")[:keep]]
-        ranked += [int(k) for k in np.argsort(problem.cost[r], kind="stable")[:keep]]
-        kept[r] = np.array(list(dict.fromkeys([choice[r]] + ranked)), dtype=np.int64)
-    small = dataclasses.replace(
-        problem,
-        cands={r: tuple(problem.cands[r][k] for k in kept[r]) for r in problem.reps},
-        cost={r: problem.cost[r][kept[r]] for r in problem.reps},
-        mem={r: problem.mem[r][kept[r]] for r in problem.reps},
-        edges={(u, v): m[np.ix_(kept[u], kept[v])] for (u, v), m in problem.edges.items()},
-        forced={r: 0 for r in problem.forced})
-    picked, _ = solve_elimination(small)
-    refined = {r: int(kept[r][picked[r]]) for r in problem.reps}
-    return refined if problem.objective(refined) < problem.objective(choice) else choice
 
 
 def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
@@ -116,9 +89,9 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 redist = 0.0
                 for u in adjacency[r]:
                     if u in decided:
-                        redist += float(_edge(problem, r, u)[np.ix_(cls, alive[u])].min())
+                        redist += float(edge_rows(problem, r, u)[np.ix_(cls, alive[u])].min())
                 score = own + redist
-                if best_score is None or _better(score, best_score):
+                if best_score is None or better(score, best_score):
                     best_cls, best_score = cls, score
             alive[r] = best_cls
             decided.add(r)
@@ -128,59 +101,9 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
         total = problem.cost[r][cls].copy()
         for u in adjacency[r]:
             if u in choice:
-                total += _edge(problem, r, u)[cls, choice[u]]
+                total += edge_rows(problem, r, u)[cls, choice[u]]
         choice[r] = int(cls[int(np.argmin(total))])
     return choice
-
-
-def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dict[int, int]:
-    """Local search: each node, then each pair of neighbours, takes its cheapest candidates
-    given the rest, until nothing improves (or ``sweeps`` rounds)."""
-    adjacency = problem.neighbours()
-    choice = dict(choice)
-
-    def context(r: int, skip: int = -1) -> np.ndarray:
-        total = problem.cost[r].copy()
-        for u in adjacency[r]:
-            if u != skip:
-                total += _edge(problem, r, u)[:, choice[u]]
-        return total
-
-    for _ in range(sweeps):
-        changed = False
-        for r in problem.reps:
-            if r in problem.forced:
-                continue
-            total = context(r)
-            best = int(np.argmin(total))
-            if _better(total[best], total[choice[r]]):
-                choice[r] = best
-                changed = True
-        for u, v in problem.edges:
-            if u in problem.forced and v in problem.forced:
-                continue
-            joint = context(u, v)[:, None] + context(v, u)[None, :] + problem.edges[(u, v)]
-            if u in problem.forced:
-                joint[np.arange(len(joint)) != choice[u], :] = np.inf
-            if v in problem.forced:
-                joint[:, np.arange(joint.shape[1]) != choice[v]] = np.inf
-            ku, kv = np.unravel_index(int(np.argmin(joint)), joint.shape)
-            if _better(joint[ku, kv], joint[choice[u], choice[v]]):
-                choice[u], choice[v] = int(ku), int(kv)
-                changed = True
-        if not changed:
-            break
-    return choice
-
-
-def _better(a: float, b: float) -> bool:
-    """``a`` is smaller than ``b`` beyond rounding (relative 1e-12)."""
-    return a < b - 1e-12 * abs(b)
-
-
-def _edge(problem: Problem, r: int, u: int) -> np.ndarray:
-    """Edge costs with ``r``'s candidates as rows."""
-    return problem.edges[(r, u)] if r < u else problem.edges[(u, r)].T
 
 
 def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str) -> list[np.ndarray]:
@@ -201,9 +124,9 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     space = problem.space
     graph = space.graph
     node = graph.nodes[member]
-    if node.kind != "op" or node.name not in CONTRACTIONS:
+    if space.rule(member).category is not OpCategory.CONTRACTION:
         return np.zeros(len(problem.cands[r]))
-    key = (id(problem.cands[r]), node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
+    key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
     if cache is not None and key in cache:
         return cache[key]

@@ -30,7 +30,13 @@ from jaxpar._src.errors import ContextError
 
 @dataclasses.dataclass
 class CallbackParams:
-    """What a callback can read about the run (MindSpore's ``cb_params``)."""
+    """What a callback can read about the run (MindSpore's ``cb_params``).
+
+    >>> import jaxpar
+    >>> p = jaxpar.CallbackParams(epoch_num=2, batch_num=10)
+    >>> p.cur_epoch_num, p.cur_step_num
+    (0, 0)
+    """
 
     epoch_num: int  # epochs in this run
     batch_num: int  # steps per epoch
@@ -42,7 +48,14 @@ class CallbackParams:
 
 
 class RunContext:
-    """Handed to every callback; ``request_stop()`` ends training after this step."""
+    """Handed to every callback; ``request_stop()`` ends training after this step.
+
+    >>> import jaxpar
+    >>> run = jaxpar.RunContext(jaxpar.CallbackParams(epoch_num=1, batch_num=4))
+    >>> run.request_stop()
+    >>> run.stop_requested, run.original_args().batch_num
+    (True, 4)
+    """
 
     def __init__(self, params: CallbackParams) -> None:
         self._params = params
@@ -73,7 +86,21 @@ def emit(message: str) -> None:
 
 
 class Callback:
-    """Base class; override the hooks you need."""
+    """Base class; override the hooks you need.
+
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> class StopAfter(jaxpar.Callback):
+    ...     def on_train_step_end(self, run_context):
+    ...         if run_context.original_args().cur_step_num == 2:
+    ...             run_context.request_stop()
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1))
+    >>> model.train(5, [(np.ones((8, 4), np.float32), np.ones((8, 1), np.float32))] * 3,
+    ...             callbacks=[StopAfter()])
+    >>> len(model.history)
+    2
+    """
 
     def on_train_begin(self, run_context: RunContext) -> None:
         self.begin(run_context)
@@ -104,7 +131,16 @@ class Callback:
 
 class LossMonitor(Callback):
     """Prints the loss every ``per_print_times`` steps; a NaN or infinite loss stops training
-    with an error (MindSpore's behaviour)."""
+    with an error (MindSpore's behaviour).
+
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1))
+    >>> model.train(1, [(np.ones((8, 4), np.float32), np.ones((8, 1), np.float32))] * 2,
+    ...             callbacks=[jaxpar.LossMonitor(per_print_times=2)])
+    epoch: 1 step: 2, loss is 0.04
+    """
 
     def __init__(self, per_print_times: int = 1) -> None:
         if not isinstance(per_print_times, int) or per_print_times < 0:
@@ -126,7 +162,12 @@ class LossMonitor(Callback):
 
 
 class TimeMonitor(Callback):
-    """Prints each epoch's wall time and time per step."""
+    """Prints each epoch's wall time and time per step.
+
+    >>> import jaxpar
+    >>> jaxpar.TimeMonitor().data_size is None  # steps per epoch: from the dataset
+    True
+    """
 
     def __init__(self, data_size: int | None = None) -> None:
         self.data_size = data_size
@@ -144,7 +185,13 @@ class TimeMonitor(Callback):
 
 
 class ProgressBar(Callback):
-    """A tqdm progress bar over the run's steps, with the loss; rank 0 only."""
+    """A tqdm progress bar over the run's steps, with the loss; rank 0 only.
+
+    >>> import jaxpar
+    >>> bar = jaxpar.ProgressBar(leave=False)  # Model.train(..., callbacks=[bar]), or progress=True
+    >>> isinstance(bar, jaxpar.Callback)
+    True
+    """
 
     def __init__(self, leave: bool = True) -> None:
         self.leave = leave
@@ -177,7 +224,12 @@ class ProgressBar(Callback):
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """When :class:`ModelCheckpoint` saves: every ``save_checkpoint_steps`` steps (and at the
-    end), keeping the newest ``keep_checkpoint_max``."""
+    end), keeping the newest ``keep_checkpoint_max``.
+
+    >>> import jaxpar
+    >>> config = jaxpar.CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=2)
+    >>> callback = jaxpar.ModelCheckpoint("digits", "/tmp/ckpt", config=config)
+    """
 
     save_checkpoint_steps: int = 1
     keep_checkpoint_max: int = 5
@@ -188,7 +240,18 @@ class ModelCheckpoint(Callback):
     writes the shards its devices hold, and the strategy (each array's layout, shape and
     checksum) goes beside them, as :func:`jaxpar.save_checkpoint` writes it.  Read it back with
     :func:`jaxpar.load_checkpoint` (as saved) or :func:`jaxpar.load_distributed_checkpoint`
-    (onto another layout); the state is ``{"params", "rest", "opt_state"}``."""
+    (onto another layout); the state is ``{"params", "rest", "opt_state"}``.
+
+    >>> import tempfile, jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1))
+    >>> folder = tempfile.mkdtemp()
+    >>> model.train(1, [(np.ones((8, 4), np.float32), np.ones((8, 1), np.float32))],
+    ...             callbacks=[jaxpar.ModelCheckpoint("run", folder)])
+    >>> sorted(jaxpar.load_checkpoint(f"{folder}/run"))
+    ['opt_state', 'params', 'rest']
+    """
 
     def __init__(self, prefix: str = "ckpt", directory: str | os.PathLike | None = None,
                  config: CheckpointConfig | None = None) -> None:
@@ -238,7 +301,18 @@ def load_checkpoint(path: str | os.PathLike, step: int | None = None, target: An
     """The state :class:`ModelCheckpoint` (or :func:`jaxpar.save_checkpoint`) saved at ``step``
     (default: the newest), as saved: a dict with ``params``, ``rest`` and ``opt_state``, each
     array on the layout it was saved with (when those devices exist here, else on one device).
-    With ``target`` (a matching pytree of arrays) the arrays come back with its shardings."""
+    With ``target`` (a matching pytree of arrays) the arrays come back with its shardings.
+
+    >>> import tempfile, jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1))
+    >>> folder = tempfile.mkdtemp()
+    >>> model.train(1, [(np.ones((8, 4), np.float32), np.ones((8, 1), np.float32))],
+    ...             callbacks=[jaxpar.ModelCheckpoint("run", folder)])
+    >>> jaxpar.load_checkpoint(f"{folder}/run")["params"]["w"].shape
+    (4, 1)
+    """
     import jax.numpy as jnp
 
     from jaxpar._src.checkpoint import store

@@ -40,7 +40,7 @@ from jaxpar._src.amp.precision import LEVELS, Policy, mixed_precision_fn
 from jaxpar._src.context import ParallelMode, current_context
 from jaxpar._src.data.dataset import Dataset
 from jaxpar._src.data.placement import to_global
-from jaxpar._src.errors import ContextError
+from jaxpar._src.errors import ContextError, DatasetError
 from jaxpar._src.execution import pynative
 from jaxpar._src.train import metrics as metric_lib
 from jaxpar._src.train.callbacks import Callback, CallbackParams, ProgressBar, RunContext
@@ -68,6 +68,15 @@ class Model:
       amp_dtype: the low-precision dtype.
       loss_scale_manager: a :class:`~jaxpar.FixedLossScaleManager` or
         :class:`~jaxpar.DynamicLossScaleManager`.
+
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> model = jaxpar.Model(({"w": jnp.zeros((4, 1))}, lambda p, x: x @ p["w"]),
+    ...                      loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    ...                      optimizer=optax.sgd(0.1), metrics={"mae": jaxpar.metrics.MAE()})
+    >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+    >>> model.train(2, [(x, y)])
+    >>> model.predict(x).shape, round(model.eval([(x, y)])["mae"], 3)
+    ((8, 1), 0.04)
     """
 
     def __init__(self, network: Any, loss_fn: Any = None, optimizer: Any = None,
@@ -84,7 +93,7 @@ class Model:
         self.metrics = _metrics(metrics)
         self.loss_scale_manager = loss_scale_manager
         self._opt_state = None
-        self._ls_state = None
+        self._ls_state: Any = None
         self._steps: dict[Any, Any] = {}
         self.history: list[float] = []  # every training step's loss
 
@@ -148,6 +157,7 @@ class Model:
                 batches = train_dataset.epoch() if isinstance(train_dataset, _SinkEpochs) \
                     else self._batches(train_dataset)
                 for batch in batches:
+                    _check_label(batch, train_dataset, "jaxpar.Model.train")
                     for c in callbacks:
                         c.on_train_step_begin(run)
                     step = self._train_step(state, batch)
@@ -246,6 +256,7 @@ class Model:
             m.clear()
         loss_metric = metric_lib.Loss() if self.loss_fn is not None else None
         for batch in self._batches(valid_dataset):
+            _check_label(batch, valid_dataset, "jaxpar.Model.eval")
             *inputs, labels = batch
             out, loss = self._forward(len(inputs), with_loss=True)(
                 self._net.params, self._net.rest, *inputs, labels)
@@ -308,6 +319,20 @@ class Model:
         if current_context().parallel_mode is ParallelMode.STAND_ALONE:
             return batch
         return tuple(to_global(tuple(np.asarray(b) for b in batch)))
+
+
+def _check_label(batch: tuple, data: Iterable, where: str) -> None:
+    """A batch is the network's inputs then the label; one column would make the data the label
+    and call the network with no input, failing inside the user's code."""
+    if len(batch) >= 2:
+        return
+    names = getattr(data, "column_names", None)
+    shown = f"column {list(names)}" if names else f"{len(batch)} column"
+    raise DatasetError(
+        f"{where}: each batch must hold the network's inputs followed by the label column (the "
+        f"last column is the label), but this data has {shown}. Add the labels, e.g. "
+        f"NumpySlicesDataset((x, y), column_names=['data', 'label']) or batches of (x, y) "
+        f"tuples; use Model.predict for inputs alone.")
 
 
 def _pipeline_loss(apply: Any, loss_fn: Any, n_batch: int, rest: Any, ctx: Any) -> Any:

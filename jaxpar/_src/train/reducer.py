@@ -29,8 +29,8 @@ import numpy as np
 from jaxpar._src.compat import manual_axes, varying_axes
 from jaxpar._src.context import current_context
 from jaxpar._src.errors import ContextError
-from jaxpar._src.fusion import allreduce_fusion, buckets
 from jaxpar._src.tracing_state import count_reducer_call, replica_axes, tracing_mesh
+from jaxpar._src.train.buckets import allreduce_fusion, buckets
 
 
 class DistributedGradReducer:
@@ -108,8 +108,8 @@ class DistributedGradReducer:
         degree = self._degree or _device_count()
         return jax.tree.map(lambda g: g * degree if _is_float(g) else g, grads)
 
-    def _all_reduce(self, grads: Any, axes: tuple[str, ...], summed: set[int] = frozenset()
-                    ) -> Any:
+    def _all_reduce(self, grads: Any, axes: tuple[str, ...],
+                    summed: frozenset[int] | set[int] = frozenset()) -> Any:
         leaves, treedef = jax.tree.flatten(grads)
         divisor = self._degree or self._replicas(axes)
         if self.mean:  # already summed by autodiff: only the mean is left to take

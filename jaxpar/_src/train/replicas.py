@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._src.arguments import check_argnums
+from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import current_context
 from jaxpar._src.data_parallel import infer_batch_argnums
 from jaxpar._src.errors import ContextError, StrategyError, warn_once
@@ -63,30 +65,30 @@ def per_replica(fn: Callable | None = None, *, batch_argnums: int | Sequence[int
     >>> rows(jnp.ones((16, 3))).tolist()  # 8 replicas of 2 rows each
     [6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0]
     """
-    options = dict(batch_argnums=batch_argnums, static_argnums=static_argnums, mesh=mesh,
-                   donate_argnums=donate_argnums)
+    options: dict[str, Any] = dict(batch_argnums=batch_argnums, static_argnums=static_argnums,
+                                   mesh=mesh, donate_argnums=donate_argnums)
     if fn is None:
         return lambda f: PerReplica(f, **options)
     return PerReplica(fn, **options)
 
 
-def _as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...] | None:
-    if x is None:
-        return None
-    return (x,) if isinstance(x, int) else tuple(x)
-
-
 class PerReplica:
-    """A step run once per replica; call it like the function (see :func:`per_replica`)."""
+    """A step run once per replica; call it like the function (see :func:`per_replica`).
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> step = jaxpar.per_replica(lambda x: jnp.mean(x), batch_argnums=(0,))
+    >>> isinstance(step, jaxpar.PerReplica), step(jnp.arange(16.0)).shape  # one mean per replica
+    (True, (8,))
+    """
 
     def __init__(self, fn: Callable, *, batch_argnums: Any, static_argnums: Any,
                  mesh: Mesh | None, donate_argnums: Any) -> None:
         self._fn = fn
-        self._batch = _as_tuple(batch_argnums)
-        self._static = _as_tuple(static_argnums) or ()
-        self._donate = _as_tuple(donate_argnums) or ()
+        self._batch, self._donate, self._static = check_argnums(
+            fn, f"{API}({getattr(fn, '__name__', 'fn')})", batch_argnums=batch_argnums,
+            donate_argnums=donate_argnums, static_argnums=static_argnums)
         self._mesh = mesh
-        self._cache: dict[Any, tuple[Callable, Callable]] = {}
+        self._cache: dict[Any, tuple[Any, Callable]] = {}
         try:
             self._names = [p for p in inspect.signature(fn).parameters]
         except (TypeError, ValueError):
@@ -119,10 +121,10 @@ class PerReplica:
                 f"dataset_strategy='data_parallel' / 'full_batch' here.")
         return mesh, ctx.dataset_strategy
 
-    def _compiled(self, args: tuple) -> tuple[Callable, Callable]:
+    def _compiled(self, args: tuple) -> tuple[Any, Callable]:
         """The jitted step and its eager form (for PYNATIVE_MODE)."""
         mesh, dataset_strategy = self._settings()
-        key = (_signature(args, self._static), mesh, dataset_strategy)
+        key = (call_key(args, self._static, api=API, names=self._names), mesh, dataset_strategy)
         built = self._cache.get(key)
         if built is None:
             built = self._cache[key] = self._build(args, mesh, dataset_strategy)
@@ -132,7 +134,7 @@ class PerReplica:
         return self._names[i] if i < len(self._names) else f"arg{i}"
 
     def _build(self, args: tuple, mesh: Mesh, dataset_strategy: str
-               ) -> tuple[Callable, Callable]:
+               ) -> tuple[Any, Callable]:
         axes = tuple(mesh.axis_names)
         n = int(mesh.devices.size)
         dyn = [i for i in range(len(args)) if i not in self._static]
@@ -220,15 +222,3 @@ class PerReplica:
                 f"is not divisible by {n}. Use a global batch that is a multiple of {n} (drop "
                 f"the remainder), or pass batch_argnums without it.")
         return P(axes)
-
-
-def _signature(args: tuple, static: Sequence[int]) -> Any:
-    parts = []
-    for i, a in enumerate(args):
-        if i in static:
-            parts.append(("static", a))
-        else:
-            leaves, treedef = jax.tree.flatten(a)
-            parts.append((treedef, tuple(
-                (getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves)))
-    return tuple(parts)

@@ -41,7 +41,13 @@ def set_seed(seed: int) -> None:
 
 
 def get_seed() -> int | None:
-    """The seed given to :func:`set_seed`, or ``None``."""
+    """The seed given to :func:`set_seed`, or ``None``.
+
+    >>> import jaxpar
+    >>> jaxpar.set_seed(7)
+    >>> jaxpar.get_seed()
+    7
+    """
     return _seed
 
 

@@ -1,0 +1,112 @@
+"""Which factors are worth splitting.
+
+Tensor dimensions that share a factor in some operator are one *class* (a union-find over
+``(value, dimension)``): splitting one of them is what lets the others stay split without a
+layout change.  A class is *useful* when a contraction (or a gather or scatter, or a user's pin)
+can split it.  An operator that is none of these is offered no strategy splitting a factor whose
+dimensions are all in useless classes: such a split (the height or width of an activation
+between convolutions, which no convolution splits) only ever pays a layout change back to what
+its neighbours hold.  On conv nets those options made every elementwise operator of a batch norm
+several times larger in the search's problem, and its linear relaxation fractional (the ILP and
+the dynamic programming's final graph then branched for minutes).
+
+>>> from jaxpar._src.rules.factors import RuleBuilder
+>>> b = RuleBuilder()
+>>> n, h = b.factor(8), b.factor(4)
+>>> rule = b.build(operands=[(n, h)], results=[(n, h)])
+>>> sorted(_splittable_dims(rule, operands=(0,), results=(0,)))
+[(0, 0, 0, 0), (0, 0, 1, 1), (1, 0, 0, 0), (1, 0, 1, 1)]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+from jaxpar._src.rules import FactorRule
+from jaxpar._src.search.common import Pin, SearchSpace
+
+SEEDS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
+                   "scatter_add", "dynamic_slice", "dynamic_update_slice"})
+
+
+def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozenset[int]]:
+    """Per node (not a seed, not pinned), the splittable factors of its rule whose dimensions
+    no seed can split.  Empty when the program has no seed at all (then every split stays)."""
+    graph = space.graph
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(x: tuple[int, int]) -> tuple[int, int]:
+        root = x
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while parent.get(x, x) != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    def union(a: tuple[int, int], b: tuple[int, int]) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+
+    dims_of: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for node in graph.searchable():
+        rule = space.rule(node.id)
+        values = [o if isinstance(o, int) else None for o in node.inputs]
+        per_factor: dict[int, list[tuple[int, int]]] = {}
+        for side, index, d, f in _all_splittable_dims(rule):
+            vid = values[index] if side == 0 else node.outputs[index]
+            if vid is not None:
+                per_factor.setdefault(f, []).append((vid, d))
+        for members in per_factor.values():
+            for m in members[1:]:
+                union(members[0], m)
+        dims_of[node.id] = per_factor
+    useful: set[tuple[int, int]] = set()
+    pinned = {p.node: p for p in pins}
+    for node in graph.searchable():
+        per_factor = dims_of[node.id]
+        if node.name in SEEDS and node.kind == "op":
+            useful.update(find(m) for members in per_factor.values() for m in members)
+        elif node.id in pinned:
+            strategy = pinned[node.id].strategy
+            useful.update(find(m) for f, members in per_factor.items()
+                          if strategy.factor_axes[f] for m in members)
+    if not useful:
+        return {}
+    out: dict[int, frozenset[int]] = {}
+    for node in graph.searchable():
+        if node.id in pinned or (node.kind == "op" and node.name in SEEDS):
+            continue
+        dead = frozenset(f for f, members in dims_of[node.id].items()
+                         if all(find(m) not in useful for m in members))
+        if dead:
+            out[node.id] = dead
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_splittable_dims(rule: FactorRule) -> tuple[tuple[int, int, int, int], ...]:
+    return tuple(_splittable_dims(rule, tuple(range(len(rule.operands))),
+                                  tuple(range(len(rule.results)))))
+
+
+def _splittable_dims(rule: FactorRule, operands: tuple[int, ...], results: tuple[int, ...]
+                     ) -> Iterable[tuple[int, int, int, int]]:
+    """``(side, tensor index, dimension, factor)`` for every splittable factor of each
+    dimension (side 0: operands, 1: results)."""
+    splittable = set(rule.splittable())
+    for side, tensors, which in ((0, rule.operands, operands), (1, rule.results, results)):
+        for index in which:
+            for d, dim in enumerate(tensors[index]):
+                for f in dim:
+                    if f in splittable:
+                        yield side, index, d, f
+
+
+def prune(options: tuple, dead: frozenset[int]) -> tuple:
+    """The options that give no mesh axis to a ``dead`` factor (all of them if none would
+    remain)."""
+    kept = tuple(c for c in options if not any(c.factor_axes[f] for f in dead))
+    return kept or options
+
