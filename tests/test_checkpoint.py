@@ -321,6 +321,11 @@ def test_a_strategy_from_another_program_is_refused(saved, tmp_path):
         jaxpar.load_distributed_checkpoint(abstract, saved["8"],
                                            predict_strategy=tmp_path / "junk.json")
     assert not (tmp_path / "t").exists()
+    # a NamedSharding on an AbstractMesh has no devices to load onto (was JAX's ValueError)
+    no_devices = NamedSharding(jax.sharding.AbstractMesh((8,), ("x",)), P("x"))
+    with pytest.raises(jaxpar.CheckpointError, match="'w' is a NamedSharding on an AbstractMesh"):
+        jaxpar.load_distributed_checkpoint(abstract, saved["8"],
+                                           predict_strategy={"w": no_devices})
 
 
 def test_saving_never_leaves_half_a_checkpoint(tmp_path, monkeypatch):

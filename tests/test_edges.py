@@ -217,6 +217,8 @@ def test_model_train_on_data_without_a_label_column_says_so():
                                              column_names=["image"]).batch(4)
     with pytest.raises(jaxpar.DatasetError, match=r"Model.train: .*column \['image'\].*label"):
         model.train(1, data)
+    with pytest.raises(jaxpar.DatasetError, match=r"Model.train: .*column \['image'\].*label"):
+        model.train(1, data, dataset_sink_mode=True, sink_size=2)  # (said "1 column")
     with pytest.raises(jaxpar.DatasetError, match="Model.eval: .*1 column"):
         model.eval([(np.ones((4, 4), np.float32),)])
 

@@ -222,7 +222,7 @@ class Parallelized:
         trace_mesh = self._trace_mesh(settings)
         pipelining = pipeline_tracing.pipelining(pipeline_tracing.Tracing(
             settings.pipeline, mesh, settings.mode, settings.search_mode, settings.hardware))
-        with tracing_with(mesh), _mesh_context(trace_mesh, abstract=True), pipelining:
+        with tracing_with(mesh, trace_mesh), pipelining:
             try:
                 program = trace(info.fn, args, static_argnums=info.static_argnums,
                                 arg_names=names)
@@ -339,16 +339,12 @@ class Parallelized:
 
 
 @contextlib.contextmanager
-def _mesh_context(mesh: Mesh, *, abstract: bool = False) -> Iterator[None]:
-    """``mesh`` as JAX's context mesh: ``with_sharding_constraint(x, P(...))`` in the user's
-    function then needs no ``jax.set_mesh`` of its own.  Tracing needs only the abstract mesh;
-    eager execution (PyNative) the devices too."""
-    if abstract:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            yield
-    else:
-        with jax.set_mesh(mesh):
-            yield
+def _mesh_context(mesh: Mesh) -> Iterator[None]:
+    """``mesh`` as JAX's context mesh while PyNative runs the function eagerly:
+    ``with_sharding_constraint(x, P(...))`` in it then needs no ``jax.set_mesh`` of its own
+    (tracing gets the abstract mesh from ``tracing_with``)."""
+    with jax.set_mesh(mesh):
+        yield
 
 
 def _place(x: Any, sharding: Any) -> Any:

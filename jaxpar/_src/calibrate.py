@@ -181,7 +181,8 @@ def measure(mesh: Mesh | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
         raise ContextError(f"jaxpar.calibrate: sizes {list(sizes)} must be payload bytes per "
                            f"device, each at least 64.")
     axes = [(str(a), int(n)) for a, n in mesh.shape.items() if n > 1]
-    jobs = [((a,), n, k, int(s)) for a, n in axes for k in kinds for s in sizes]
+    jobs: list[tuple[tuple[str, ...], int, str, int]] = [
+        ((a,), n, k, int(s)) for a, n in axes for k in kinds for s in sizes]
     if len(axes) > 1 and "all-reduce" in kinds:
         joint = tuple(a for a, _ in axes)
         jobs += [(joint, mesh.size, "all-reduce", int(s)) for s in sizes]
@@ -224,22 +225,23 @@ def _fit(points: Sequence[Measurement]) -> Fit:
     t = np.array([max(m.seconds, 1e-7) for m in points])  # weights 1 / t stay bounded
     w = 1.0 / t
     aw, tw = a * w[:, None], t * w
-    best = None
+    best: tuple[np.ndarray, float] | None = None
     # The two-variable NNLS: the unconstrained solution if both coefficients are >= 0, else the
     # better of the two one-variable fits (each clamped at 0).
     candidates = [np.linalg.lstsq(aw, tw, rcond=None)[0]]
     for j in range(2):
         col = aw[:, j]
         c = max(float(col @ tw) / float(col @ col), 0.0) if col @ col > 0 else 0.0
-        x = np.zeros(2)
-        x[j] = c
-        candidates.append(x)
+        one = np.zeros(2)
+        one[j] = c
+        candidates.append(one)
     for x in candidates:
         if (x < 0).any():
             continue
         err = float(np.sqrt(np.mean((aw @ x - tw) ** 2)))
         if best is None or err < best[1]:
             best = (x, err)
+    assert best is not None, "the one-variable fits are clamped at 0, so one always counts"
     x, err = best
     inv_beta = float(x[1])
     return Fit(float(x[0]), 1.0 / inv_beta if inv_beta > 0 else math.inf, err, len(points))
@@ -327,7 +329,7 @@ def _time_collective(mesh: Mesh, group: tuple[str, ...], kind: str, size: int, r
     return _slope(fn, x, rounds, target=0.02)
 
 
-def _check_compiled(fn: Any, x: jax.Array, kind: str, axis: str) -> None:
+def _check_compiled(fn: Any, x: jax.Array, kind: str, axis: str | tuple[str, ...]) -> None:
     from jaxpar._src.hlo import parse_collectives
 
     text = fn.lower(x, jnp.ones((1,), jnp.int32)).compile().as_text()
@@ -405,7 +407,9 @@ def _memory_per_device(mesh: Mesh) -> float:
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return float(HardwareProfile().memory_per_device)
+        fallback = HardwareProfile().memory_per_device
+        assert fallback is not None, "HardwareProfile fills fields from its preset"
+        return float(fallback)
     local = [d for d in jax.local_devices() if d.platform == device.platform]
     return float(ram) / max(len(local), 1)
 

@@ -59,6 +59,7 @@ import numpy as np
 from jaxpar._src.cost import Collective, CostModel
 from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.rules import OpStrategy
+from jaxpar._src.spec import Spec
 
 # Operators whose work is worth splitting; a collective feeding one is on the critical path.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
@@ -199,7 +200,7 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
                     deferred: frozenset[int], edge_weight) -> list[RawCollective]:
     """Every collective of the plan before combining, in no particular order."""
     out: list[RawCollective] = []
-    changes: dict[tuple[int, object], list] = {}  # (value, target layout) -> readers
+    changes: dict[tuple[int, Spec], list[int]] = {}  # (value, target layout) -> readers
     for node in graph.nodes:
         if node.kind == "control":
             continue
@@ -273,9 +274,13 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
     position, edges = _post_order(graph)
     # A layout change sits where its first reader takes the operand; an operator's own
     # all-reduce just after the operator.
-    order = sorted(range(len(raw)), key=lambda k: (
-        position[raw[k].node] if raw[k].value is None else
-        edges.get((raw[k].value, raw[k].node), position[raw[k].node]), k))
+    def place(k: int) -> tuple[int, int]:
+        r = raw[k]
+        at = position[r.node] if r.value is None else edges.get((r.value, r.node),
+                                                                position[r.node])
+        return at, k
+
+    order = sorted(range(len(raw)), key=place)
     raw = [raw[k] for k in order]
     deps = _dependencies(graph, raw)
     hw = model.hw
@@ -386,6 +391,7 @@ def price_plan(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: Cost
                                        raw[members[0]].weight, members,
                                        all(raw[k].deferred for k in members)))
     rate = model.hw.flops_per_s
+    assert rate is not None, "HardwareProfile fills fields from its preset"
     compute = sum(flops.values()) / rate
     comm = sum(c.time * c.count for c in issued)
     if model.hw.overlap_collectives and issued:

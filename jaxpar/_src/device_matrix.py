@@ -182,15 +182,16 @@ def mesh_axes_for(requests: Sequence[Request], num_devices: int
     for req in requests:
         axes = lay_counts(req.counts, probe)
         used.update(a for run in axes or () for a in run)
-    names, n_used, n_rep = [], 0, 0
+    final: list[str] = []
+    n_used, n_rep = 0, 0
     for name in probe.names:
         if name in used:
-            names.append(f"a{n_used}")
+            final.append(f"a{n_used}")
             n_used += 1
         else:
-            names.append("rep" if n_rep == 0 else f"rep{n_rep}")
+            final.append("rep" if n_rep == 0 else f"rep{n_rep}")
             n_rep += 1
-    return sizes, tuple(names)
+    return sizes, tuple(final)
 
 
 def _top_aligned(axes: Sequence[tuple[str, ...]], names: Sequence[str]) -> bool:

@@ -115,4 +115,12 @@ class PSError(JaxparError):
 
 class CheckpointError(JaxparError):
     """A checkpoint cannot be written, read or laid out again: it does not match the network,
-    a shard is missing or damaged, or a strategy belongs to another program."""
+    a shard is missing or damaged, or a strategy belongs to another program.
+
+    >>> import tempfile, jaxpar
+    >>> try:
+    ...     jaxpar.load_checkpoint(tempfile.mkdtemp())
+    ... except jaxpar.CheckpointError as e:
+    ...     print(str(e).split(":")[0], "-", "not a jaxpar checkpoint" in str(e))
+    jaxpar.load_checkpoint - True
+    """

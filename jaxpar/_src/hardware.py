@@ -335,6 +335,11 @@ def calibration_path(mesh: Any) -> str:
 
     The file name holds the platform, device kind, device count and the mesh's axes and sizes:
     a profile is only reused for the same devices arranged the same way.
+
+    >>> import os, jaxpar
+    >>> path = jaxpar.calibration_path(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+    >>> os.path.basename(path)
+    'cpu-cpu-8dev-dp2-mp4.json'
     """
     device = mesh.devices.flat[0]
     axes = "-".join(f"{a}{n}" for a, n in mesh.shape.items())

@@ -89,10 +89,12 @@ def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
         raise PlanError(f"jaxpar: {source} is not a plan file of format {FORMAT!r} "
                         f"(found {data.get('format')!r}).")
     mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
+    # JSON values, typed as the fields they fill.
+    scalars: dict[str, Any] = {k: data[k] for k in _PLAN_SCALARS
+                               if k not in ("parallel_mode", "search_mode")}
+    scalars.update({k: data.get(k) for k in _OPTIONAL_SCALARS})
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
                         data["search_mode"], tuple(_decision_from(d) for d in data["decisions"]),
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
-                        **{k: data[k] for k in _PLAN_SCALARS if k not in ("parallel_mode",
-                                                                          "search_mode")},
-                        **{k: data.get(k) for k in _OPTIONAL_SCALARS},
+                        **scalars,
                         collectives=tuple(_coll_from(c) for c in data.get("collectives", ())))

@@ -131,7 +131,7 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
             redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
                                           tuple(PredictedCollective.of(c, w) for c in colls)))
         detail = details.get(node.id)
-        extra = {}
+        extra: dict[str, Any] = {}  # OpDecision's optional fields, set where known
         if detail is not None:
             extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
             if detail.runner_up is not None:
@@ -148,6 +148,8 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     if unreached:
         notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
     hw = model.hw
+    assert hw.flops_per_s is not None and hw.memory_per_device is not None, \
+        "HardwareProfile fills fields from its preset"
     priced = space.price(strategies)
     stats: dict[str, Any] = {
         "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -165,7 +165,7 @@ class Sharded:
 
         mesh, target = self._mesh_here(op, raw, leaf_names, params, param_raw)
         shape = MeshShape.of(mesh)
-        specs = None
+        specs: Sequence[Spec | None] | None = None
         if op is not None and all(is_slice_counts(r) for r in raw):
             specs = operator_specs(op, raw, shape, where=f"{self._api}: operator {op.name}")
         if specs is None:

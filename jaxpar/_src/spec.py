@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class MeshShape:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, mesh: Mesh) -> MeshShape:
+    def of(cls, mesh: Mesh | AbstractMesh) -> MeshShape:
         """Names and sizes of a ``Mesh`` or a device-free ``AbstractMesh``."""
         return cls(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes))
 

@@ -27,13 +27,16 @@ def tracing_mesh() -> Mesh | None:
 
 
 @contextlib.contextmanager
-def tracing_with(mesh: Mesh) -> Iterator[None]:
+def tracing_with(mesh: Mesh, context_mesh: Mesh | None = None) -> Iterator[None]:
+    """Traces on this thread plan for ``mesh``; JAX's abstract mesh while tracing is
+    ``context_mesh`` (default ``mesh``): the mesh a bare ``PartitionSpec`` in the function
+    refers to, which in ``stand_alone`` is the user's mesh, not the one-device plan's."""
     stack = getattr(_state, "meshes", None)
     if stack is None:
         stack = _state.meshes = []
     stack.append(mesh)
     try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh((context_mesh or mesh).abstract_mesh):
             yield
     finally:
         stack.pop()

@@ -35,7 +35,13 @@ from jaxpar._src.spec import MeshShape
 
 @dataclasses.dataclass(frozen=True)
 class Yardstick:
-    """What a compiled program costs under a profile (seconds and bytes are per device)."""
+    """What a compiled program costs under a profile (seconds and bytes are per device).
+
+    >>> y = Yardstick(2e-6, 1e-6, 1e-6, 1e6, 4e6, 1e6, 8e10,
+    ...               {"all-reduce": {"count": 1, "bytes": 64, "wire_bytes": 96, "time": 1e-6}})
+    >>> y.collective_count, y.fits_memory
+    (1, True)
+    """
 
     step_time_s: float  # compute_s + communication_s
     compute_s: float
@@ -153,9 +159,12 @@ def yardstick(obj: Any, hardware: HardwareProfile, mesh: Any = None, *,
     cost = cost or {}
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
-    compute = flops / hardware.flops_per_s
+    # __post_init__ fills every field a profile leaves out from its preset.
+    rate, budget = hardware.flops_per_s, hardware.memory_per_device
+    assert rate is not None and budget is not None, "HardwareProfile fills fields from its preset"
+    compute = flops / rate
     if memory_bandwidth:
         compute = max(compute, accessed / memory_bandwidth)
     comm = sum(r["time"] for r in table.values())
     return Yardstick(compute + comm, compute, comm, flops, accessed,
-                     float(memory(compiled)["total"]), float(hardware.memory_per_device), table)
+                     float(memory(compiled)["total"]), float(budget), table)

@@ -86,8 +86,9 @@ def load_distributed_checkpoint(network_or_params: Any, checkpoint_dir: str | os
     shapes = {p: tuple(int(d) for d in np.shape(x)) for p, x in zip(paths, leaves, strict=True)}
     saved = store.read(store.locate(checkpoint_dir, step, where=API), where=API)
     if train_strategy_filename is not None:
-        check_strategy(resolve(train_strategy_filename, where=API), saved,
-                       what="train_strategy_filename", where=API)
+        train = resolve(train_strategy_filename, where=API)
+        assert train is not None, "resolve keeps only None as None"
+        check_strategy(train, saved, what="train_strategy_filename", where=API)
     sources = match(shapes, saved.shapes, where=API, subtree=subtree)
     shardings = _shardings(paths, leaves, shapes, resolve(predict_strategy, where=API))
     arrays = read_onto(saved, sources, shardings, shapes, verify=verify, where=API)
@@ -201,12 +202,15 @@ def check_sums(saved: store.Saved, restored: Mapping[str, Any], *, where: str) -
         return
     # an array read in another dtype (64-bit host values without jax_enable_x64) has other
     # bits: only those read as they were saved can be checked
-    names = [p for p, x in restored.items() if p in saved.strategy.arrays
-             and saved.strategy.arrays[p].checksum is not None
-             and np.dtype(x.dtype).name == saved.strategy.arrays[p].dtype]
-    sums = digest.tree_sums([restored[p] for p in names])
-    bad = [p for p, s in zip(names, sums, strict=True)
-           if tuple(s) != tuple(saved.strategy.arrays[p].checksum)]
+    expected: dict[str, tuple[int, int]] = {}
+    for p, x in restored.items():
+        layout = saved.strategy.arrays.get(p)
+        if (layout is not None and layout.checksum is not None
+                and np.dtype(x.dtype).name == layout.dtype):
+            expected[p] = layout.checksum
+    sums = digest.tree_sums([restored[p] for p in expected])
+    # (a saved checksum means a summable dtype, read as saved: s is not None here)
+    bad = [p for p, s in zip(expected, sums, strict=True) if s != expected[p]]
     if bad:
         raise CheckpointError(
             f"{where}: the contents of {len(bad)} arrays of {saved.directory} do not match the "

@@ -66,7 +66,7 @@ def registry() -> Any:
 
 
 def save_items(tree: Any, strategy: ParameterLayouts, plan: Mapping | None,
-               chunk_bytes: int | Mapping[str, int] | None) -> Any:
+               chunk_bytes: int | Mapping[str, int | None] | None) -> Any:
     """The orbax ``Composite`` arguments that save ``tree`` with its strategy (and plan)."""
     ocp = _ocp()
     if jax.process_count() > 1:  # an array on this process's devices only is a host value
@@ -88,7 +88,7 @@ def save_items(tree: Any, strategy: ParameterLayouts, plan: Mapping | None,
 
 def write(directory: str | os.PathLike, tree: Any, strategy: ParameterLayouts,
           plan: Mapping | None = None, *, overwrite: bool = False,
-          chunk_bytes: int | Mapping[str, int] | None = None, where: str) -> Path:
+          chunk_bytes: int | Mapping[str, int | None] | None = None, where: str) -> Path:
     """Saves ``tree`` at ``directory``, all or nothing; every process must call it."""
     path = Path(directory).absolute()
     if path.exists() and not overwrite:

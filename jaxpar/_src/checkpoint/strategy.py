@@ -79,12 +79,17 @@ def resolve(strategy: Any, *, where: str, mesh: Mesh | None = None) -> Parameter
 
 
 def _from_mapping(strategy: Mapping, *, where: str, mesh: Mesh | None) -> ParameterLayouts:
-    arrays, meshes = {}, []
+    arrays: dict[str, ArrayLayout] = {}
+    meshes: list[Mesh] = []
     for path, value in strategy.items():
         if isinstance(value, ArrayLayout):
             arrays[path] = value
             continue
         if isinstance(value, NamedSharding):
+            if not isinstance(value.mesh, Mesh):
+                raise CheckpointError(
+                    f"{where}: the strategy of '{path}' is a NamedSharding on an AbstractMesh, "
+                    f"which has no devices; give it a jax.sharding.Mesh (jaxpar.make_mesh).")
             meshes.append(value.mesh)
             value = value.spec
         elif isinstance(value, Layout):
@@ -108,7 +113,7 @@ def _from_mapping(strategy: Mapping, *, where: str, mesh: Mesh | None) -> Parame
             f"{where}: a dict of PartitionSpecs needs a mesh: give NamedShardings, set the "
             f"context's mesh (jaxpar.set_auto_parallel_context(mesh=...)), or pass the "
             f"ParameterLayouts jaxpar.infer_predict_layout returned.")
-    return ParameterLayouts(MeshShape.of(mesh), arrays, [d.id for d in mesh.devices.flat],
+    return ParameterLayouts(MeshShape.of(mesh), arrays, tuple(d.id for d in mesh.devices.flat),
                             "dict")
 
 
@@ -139,7 +144,7 @@ def of_arrays(tree: Any, *, where: str) -> ParameterLayouts:
         arrays[path] = ArrayLayout(spec, shape, dtype)
     if mesh is None:
         return ParameterLayouts(MeshShape((), ()), arrays, (), "checkpoint")
-    return ParameterLayouts(MeshShape.of(mesh), arrays, [d.id for d in mesh.devices.flat],
+    return ParameterLayouts(MeshShape.of(mesh), arrays, tuple(d.id for d in mesh.devices.flat),
                             "checkpoint")
 
 

@@ -79,7 +79,9 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike,
     """
     saved = store.read(store.locate(src_checkpoints_dir, step, where=API), where=API)
     if src_strategy is not None:
-        check_strategy(resolve(src_strategy, where=API), saved, what="src_strategy", where=API)
+        given = resolve(src_strategy, where=API)
+        assert given is not None, "resolve keeps only None as None"
+        check_strategy(given, saved, what="src_strategy", where=API)
     dst = resolve(dst_strategy, where=API)
     if dst is None:
         raise CheckpointError(f"{API}: dst_strategy is required: the layouts to write for "
@@ -104,9 +106,15 @@ def transform_checkpoints(src_checkpoints_dir: str | os.PathLike,
         p: ArrayLayout(layouts[p].spec, layouts[p].shape, layouts[p].dtype, s)
         for p, s in zip(arrays, sums, strict=True)}, dst.device_ids,
         f"transform_checkpoints ({dst.origin})" if dst.origin else "transform_checkpoints")
-    chunks = chunk_bytes if chunk_bytes is not None else {
-        p: _chunk_bytes(a.shape, a.dtype, written.shard_shape(p))
-        for p, a in written.arrays.items()}
+    chunks: int | dict[str, int | None]
+    if chunk_bytes is not None:
+        chunks = chunk_bytes
+    else:
+        chunks = {}
+        for p, a in written.arrays.items():
+            assert a.shape is not None and a.dtype is not None, \
+                "destination() gives every array the checkpoint's shape and dtype"
+            chunks[p] = _chunk_bytes(a.shape, a.dtype, written.shard_shape(p))
     absl = logging.getLogger("absl")  # chunks under 1 MiB are chosen on purpose: no warning
     level = absl.level
     absl.setLevel(logging.ERROR)
@@ -189,9 +197,10 @@ def _best(path: str, shape: tuple[int, ...], saved: store.Saved,
             if any(n in saved.arrays for n in names):
                 continue
             found = [lookup.scored(n, shape[1:], where=where) for n in names]
-            if all(f is not None for f in found):
-                options.append((min(f[1] for f in found),
-                                {n: (shape[1:], f[0].spec) for n, f in zip(names, found,
+            hits = [f for f in found if f is not None]
+            if len(hits) == len(found):
+                options.append((min(f[1] for f in hits),
+                                {n: (shape[1:], f[0].spec) for n, f in zip(names, hits,
                                                                            strict=True)}))
     for k, c in enumerate(parts):  # stack: path is layer c of path-without-c
         if not c.isdigit():
@@ -205,9 +214,9 @@ def _best(path: str, shape: tuple[int, ...], saved: store.Saved,
         if base in saved.arrays:
             continue
         stacked = (layers, *shape)
-        found = lookup.scored(base, stacked, where=where)
-        if found is not None:
-            options.append((found[1], {base: (stacked, found[0].spec)}))
+        hit = lookup.scored(base, stacked, where=where)
+        if hit is not None:
+            options.append((hit[1], {base: (stacked, hit[0].spec)}))
     if not options:
         return None
     return max(options, key=lambda o: o[0])[1]

@@ -16,7 +16,7 @@ Grammar (whitespace is ignored)::
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ class _Parser:
         self.i += 1
         return value
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> NoReturn:
         at = self.tokens[self.i][2] if self.i < len(self.tokens) else len(self.text)
         raise PlanError(
             f"jaxpar plan --args: {why} at position {at} of {self.text!r}. Write one value per "

@@ -29,6 +29,13 @@ class Report:
       analysis: every compiled collective with its cause (``None`` without a compiled program).
       diff: the comparison with another plan, if one was given.
       build_s: seconds it took to build (compiling the program not included).
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> f = jaxpar.parallelize(lambda x, w: x @ w, mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+    ...                        parallel_mode="semi_auto_parallel", in_strategy=((2, 1), (1, 4)))
+    >>> report = f.plan(jnp.ones((8, 16)), jnp.ones((16, 4))).report()  # no compiled program
+    >>> report.html.startswith("<!DOCTYPE html>"), report.analysis is None
+    (True, True)
     """
 
     fragment: str

@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace, out: Any) -> int:
         from jaxpar._src.report.argspec import parse_args_spec
 
         fn_args = parse_args_spec(args.args_spec)
-    if shape is None:
+    if shape is None or names is None:  # both or neither: no --mesh
         import jax
 
         shape, names = (len(jax.devices()),), ("dp",)

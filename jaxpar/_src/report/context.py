@@ -130,7 +130,7 @@ def module_path(frames: tuple[tuple[str, int, str], ...]) -> tuple[str, ...]:
     ...              ("gpt.py", 2, "make.<locals>.train_step"), ("run.py", 1, "<module>")))
     ('train_step', 'Block', 'Linear')
     """
-    out = []
+    out: list[str] = []
     for _, _, function in reversed(frames):
         parts = [p for p in function.split(".") if p != "<locals>"]
         if not parts or parts[-1] == "<module>":

@@ -144,7 +144,8 @@ def diff_plans(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
                      for k in ("mesh", "parallel_mode", "search_mode", "hardware")
                      if str(getattr(a, k)) != str(getattr(b, k)))
     pairs, aligned_by, unmatched = _align(a.decisions, b.decisions)
-    arguments, results, ops = [], [], collections.Counter()
+    arguments, results = [], []
+    ops: collections.Counter[tuple[str, str, str, str, str]] = collections.Counter()
     changed = 0
     for da, db in pairs:
         before, after = da.strategy_str(), db.strategy_str()
@@ -196,7 +197,7 @@ def _collectives(a: ShardingPlan, b: ShardingPlan
             row = table[(c.kind, "+".join(c.axes))]
             row[2 * k] += c.count
             row[2 * k + 1] += c.wire_bytes
-    return tuple((k, ax, *v) for (k, ax), v in sorted(table.items()))
+    return tuple((k, ax, v[0], v[1], v[2], v[3]) for (k, ax), v in sorted(table.items()))
 
 
 def _costs(a: ShardingPlan, b: ShardingPlan) -> tuple[tuple[str, float, float], ...]:

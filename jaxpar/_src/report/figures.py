@@ -29,7 +29,8 @@ def layout_table(plan: ShardingPlan) -> LayoutTable:
     """One pass over the plan (a 24-layer model has forty thousand layouts to count)."""
     ids: dict[Spec, int] = {}
     counts: list[int] = []
-    ins, outs = [], []
+    ins: list[list[int]] = []
+    outs: list[list[int]] = []
     for d in plan.decisions:
         for specs, out in ((d.in_specs, ins), (d.out_specs, outs)):
             row = []

@@ -107,9 +107,9 @@ def stacked_bars(rows: Sequence[tuple[str, Sequence[tuple[str, float, str]]]],
     label_w, pad = 170, 90
     top = max((sum(v for _, v, _ in parts) for _, parts in rows), default=0.0)
     scale_max = top
-    show_marker = marker is not None and 0 < marker[1] <= 2 * max(top, 1e-30)
-    if show_marker:
-        scale_max = max(top, marker[1])
+    shown = marker if marker is not None and 0 < marker[1] <= 2 * max(top, 1e-30) else None
+    if shown is not None:
+        scale_max = max(top, shown[1])
     scale_max = scale_max or 1.0
     span = width - label_w - pad
     h = len(rows) * (bar + 8) + 8
@@ -129,10 +129,10 @@ def stacked_bars(rows: Sequence[tuple[str, Sequence[tuple[str, float, str]]]],
         total = sum(v for _, v, _ in parts)
         out.append(f'<text x="{x + 4:.1f}" y="{y + bar - 5}" font-size="11">'
                    f'{esc(fmt(total))}</text>')
-    if show_marker:
-        mx = label_w + span * marker[1] / scale_max
+    if shown is not None:
+        mx = label_w + span * shown[1] / scale_max
         out.append(f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="0" y2="{h}" stroke="#c00" '
-                   f'stroke-dasharray="4 3"><title>{esc(marker[0])}</title></line>')
+                   f'stroke-dasharray="4 3"><title>{esc(shown[0])}</title></line>')
     out.append("</svg>")
     return "".join(out)
 
@@ -167,8 +167,8 @@ def timeline(lanes: Sequence[str], segments: Sequence[tuple[int, float, float, s
         out.append(f'<line x1="{label_w}" x2="{width - 10}" y1="{y + lane_h - 2}" '
                    f'y2="{y + lane_h - 2}" stroke="#eee"/>')
     merged = _merge(segments, span / total)
-    for lane, x0, x1, fill, tip, count in merged:
-        y = lane * lane_h + 2
+    for row, x0, x1, fill, tip, count in merged:
+        y = row * lane_h + 2
         tip = tip if count == 1 else f"{count} items, e.g. {tip}"
         out.append(f'<rect x="{label_w + x0:.1f}" y="{y}" width="{max(x1 - x0, 1.0):.1f}" '
                    f'height="{lane_h - 6}" fill="{fill}"><title>{esc(tip)}</title></rect>')

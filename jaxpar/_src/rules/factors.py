@@ -42,6 +42,9 @@ class OpCategory(enum.StrEnum):
     over every device, recursive programming decides it first and prices its cuts, and a
     gradient's path to the optimizer stops at it.  ``indexing`` (gathers, scatters) and
     ``contraction`` operators are listed by ``ShardingPlan.explain``.
+
+    >>> OpCategory("contraction") is OpCategory.CONTRACTION, OpCategory.INDEXING == "indexing"
+    (True, True)
     """
 
     CONTRACTION = "contraction"

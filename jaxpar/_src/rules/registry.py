@@ -27,7 +27,15 @@ from jaxpar._src.rules.factors import FactorRule, OpCategory, RuleBuilder
 @dataclasses.dataclass(frozen=True)
 class OpView:
     """What a rule may read about an operator: the primitive's name, its operands' and
-    results' shapes and dtypes, and the equation's parameters."""
+    results' shapes and dtypes, and the equation's parameters.
+
+    >>> import numpy as np
+    >>> f32 = np.dtype("float32")
+    >>> op = OpView("dot_general", ((8, 16), (16, 4)), (f32, f32), ((8, 4),), (f32,),
+    ...             {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    >>> op.in_shapes[1], rule_of(op).category
+    ((16, 4), <OpCategory.CONTRACTION: 'contraction'>)
+    """
 
     name: str
     in_shapes: tuple[tuple[int, ...], ...]

@@ -25,7 +25,12 @@ MODES = ("recursive_programming", "dynamic_programming", "optimal")
 @dataclasses.dataclass(frozen=True)
 class SearchComparison:
     """Per search mode: the plan's simulated seconds per call (combined collectives, as
-    ``ShardingPlan.step_time``) and the search's wall seconds."""
+    ``ShardingPlan.step_time``) and the search's wall seconds.
+
+    >>> c = SearchComparison({"optimal": 1e-3, "dynamic_programming": 1.1e-3}, {})
+    >>> round(c.gap("optimal"), 3)
+    -0.091
+    """
 
     step_s: Mapping[str, float]
     search_s: Mapping[str, float]
@@ -38,7 +43,14 @@ class SearchComparison:
 def compare_searches(fn: Callable, *args: Any, mesh: Any, hardware: Any = None,
                      modes: Sequence[str] = MODES, **options: Any) -> SearchComparison:
     """Plans ``fn(*args)`` with every search in ``modes`` (``options`` go to
-    ``jaxpar.parallelize``) and returns their costs and search times."""
+    ``jaxpar.parallelize``) and returns their costs and search times.
+
+    >>> import jax.numpy as jnp, jaxpar
+    >>> c = compare_searches(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 8)), jnp.ones((16, 8)),
+    ...                      mesh=jaxpar.make_mesh((2,), ("x",)), modes=("optimal",))
+    >>> sorted(c.step_s), c.search_s["optimal"] >= 0
+    (['optimal'], True)
+    """
     from jaxpar._src.api import parallelize
 
     step, took = {}, {}

@@ -102,8 +102,8 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Ro
         plans.append(near)
     if fallback is not None:
         plans.append(fallback())
-    plans = [p for p in plans if p is not None and program.feasible(p)]
-    best = min(plans, key=problem.objective, default=None)
+    feasible = [p for p in plans if p is not None and program.feasible(p)]
+    best = min(feasible, key=problem.objective, default=None)
     if best is not None and (not branch or (
             bound is not None and _gap(problem.objective(best), bound) <= good_enough)):
         return program.result(best, optimal=False, bound=bound)

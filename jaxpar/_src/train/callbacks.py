@@ -323,13 +323,13 @@ def load_checkpoint(path: str | os.PathLike, step: int | None = None, target: An
         return load_distributed_checkpoint(target, path, step=step)
     saved = store.read(store.locate(path, step, where=where), where=where)
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    mesh = None
-    if saved.strategy is not None and saved.strategy.mesh.num_devices <= jax.device_count():
-        mesh = saved.strategy.device_mesh()
+    strategy, mesh = saved.strategy, None
+    if strategy is not None and strategy.mesh.num_devices <= jax.device_count():
+        mesh = strategy.device_mesh()
     wants = {}
     for name, (shape, dtype) in saved.arrays.items():
-        s = sharding
-        if mesh is not None and name in saved.strategy.arrays:
-            s = jax.sharding.NamedSharding(mesh, saved.strategy[name])
+        s: jax.sharding.Sharding = sharding
+        if mesh is not None and strategy is not None and name in strategy.arrays:
+            s = jax.sharding.NamedSharding(mesh, strategy[name])
         wants[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=s)
     return store.restore_tree(saved, wants, where=where)

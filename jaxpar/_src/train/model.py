@@ -125,8 +125,9 @@ class Model:
         if not isinstance(sink_size, int) or sink_size == 0 or sink_size < -1:
             raise ContextError(f"jaxpar.Model.train: sink_size must be -1 or a positive int, "
                                f"got {sink_size!r}.")
+        data: Iterable | _SinkEpochs = train_dataset
         if dataset_sink_mode and sink_size > 0:
-            train_dataset = _SinkEpochs(self._batches, train_dataset, sink_size)
+            data = _SinkEpochs(self._batches, train_dataset, sink_size)
         if self.loss_fn is None or self.optimizer is None:
             raise ContextError("jaxpar.Model.train needs loss_fn and optimizer.")
         if not isinstance(epoch, int) or epoch < 1:
@@ -139,7 +140,7 @@ class Model:
         if self._ls_state is None and self.loss_scale_manager is not None:
             self._ls_state = self.loss_scale_manager.init()
         state = (params, rest, self._opt_state, self._ls_state or ())
-        batch_num = _length(train_dataset)
+        batch_num = _length(data)
         callbacks = list(callbacks)
         if progress or (progress is None and batch_num and
                         epoch * batch_num >= AUTO_PROGRESS_STEPS):
@@ -154,9 +155,9 @@ class Model:
                 cb.cur_epoch_num = e
                 for c in callbacks:
                     c.on_train_epoch_begin(run)
-                batches = train_dataset.epoch() if isinstance(train_dataset, _SinkEpochs) \
-                    else self._batches(train_dataset)
+                batches = data.epoch() if isinstance(data, _SinkEpochs) else self._batches(data)
                 for batch in batches:
+                    # the user's dataset, whose column names the error shows
                     _check_label(batch, train_dataset, "jaxpar.Model.train")
                     for c in callbacks:
                         c.on_train_step_begin(run)
