@@ -253,8 +253,29 @@ def test_layers_holding_a_scan_pipeline_too():
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_gpt_gradients_equal_unpipelined_with_nan_bubbles():
+    # (Model.train below runs 1F1B; the toy above every schedule)
+    _, _, loss_fn, params, batch = _gpt(4)
+    x, y = batch[:, :-1], batch[:, 1:]
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, pipeline_config={
+                                          "pipeline_scheduler": "gpipe",
+                                          "pipeline_interleave": True}):
+        cell = jaxpar.PipelineCell(loss_fn, bubble_fill=NAN)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=2,
+                                  batch_argnums=(1, 2))  # 4 rows per micro-batch: 1 per dp
+        value, grad = step(params, x, y)
+        assert step.plan(params, x, y).pipeline.schedule.repeats == 2
+    ref_value, ref_grad = jax.value_and_grad(loss_fn)(params, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                                         grad, ref_grad))
+    assert len(diffs) == len(jax.tree.leaves(ref_grad)) and max(diffs) < 1e-5, max(diffs)
+
+
 def test_gpt_train_step_on_dp_tp_pp_with_model_train():
-    gpt, cfg, _, _, _ = _gpt(4)
+    gpt, cfg, _, _, _ = _gpt(2)  # one block per stage: the smallest GPT that pipelines
     import optax
     from flax import nnx
 
@@ -279,8 +300,9 @@ def test_gpt_train_step_on_dp_tp_pp_with_model_train():
     # devices to move a value between two layouts of the same mesh (one call each)
     rotations = [r for r in colls.of("collective-permute") if r.count > 1]
     assert rotations and {r.axes for r in rotations} == {("pp",)}
-    tp = [r for r in colls if r.axes and "tp" in r.axes]
-    assert tp, "the stage's layers should be split over tp by the search"
+    # the search uses the tp axis too (at this size as more data parallelism: XLA reduces
+    # the gradients over dp and tp together)
+    assert any(r.axes and "tp" in r.axes for r in colls), colls.table()
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ The pieces, in the order a pipelined loss goes through them::
     split.py     how many layers each stage runs: balance the cost model's time, fit memory
     schedule.py  GPipe / circular / 1F1B as tick tables, their simulated timeline
     slots.py     buffer slots for activations, cotangents and residuals between ticks
-    stacking.py  layer weights stacked by stage, [stages, repeats, layers, ...], on "pp"
+    pieces.py    one chunk of layers, the prologue and the epilogue, replayed from the graph
     loop.py      the tick loop inside shard_map: forward, backward (jax.vjp), ppermute
     program.py   everything above for one signature: the PipelineProgram
+    tracing.py   what a parallelize call tells the PipelineCells it traces
     cell.py      PipelineCell: the custom_vjp loss a train step differentiates
     outer.py     how the enclosing parallelize plans the pipeline's shard_map
+    report.py    PipelinePlan: plan.pipeline, its explanation and timeline
 """

@@ -37,6 +37,19 @@ class PipelinePlan:
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> def loss(w, x):
+    ...     for i in range(4):
+    ...         x = jnp.tanh(x @ w[i])
+    ...     return jnp.mean(x ** 2)
+    >>> mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    >>> with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+    ...                                   pipeline_stages=2, micro_batches=4):
+    ...     step = jaxpar.parallelize(jax.grad(jaxpar.PipelineCell(loss)), batch_argnums=1)
+    ...     pipe = step.plan(jnp.ones((4, 8, 8)), jnp.ones((16, 8))).pipeline
+    >>> pipe.layers, pipe.split.counts, round(pipe.unit_timeline.bubble_fraction, 3)
+    (4, (2, 2), 0.2)
     """
 
     config: PipelineConfig

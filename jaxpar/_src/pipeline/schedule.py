@@ -54,6 +54,10 @@ class PipelineSchedule:
     """A lock-step pipeline schedule: ``ticks[t][s] = (forward task, backward task)``.
 
     Build one with :meth:`build`; :meth:`timeline` simulates it under per-task costs.
+
+    >>> s = PipelineSchedule.build("1f1b", stages=4, micro_batches=16)
+    >>> s.num_ticks, s.in_flight()  # lock-step 1F1B: stage s holds 2 (S - 1 - s) + 1
+    (22, (7, 5, 3, 1))
     """
 
     kind: str
@@ -202,7 +206,13 @@ class PipelineSchedule:
 @dataclasses.dataclass(frozen=True)
 class Timeline:
     """A schedule played under per-task costs: how long each tick lasts and what each stage
-    does in it."""
+    does in it.
+
+    >>> tl = PipelineSchedule.build("gpipe", stages=2, micro_batches=2).timeline(
+    ...     forward_cost=[1.0, 3.0], backward_cost=[2.0, 6.0])
+    >>> tl.tick_seconds, tl.total_s, round(tl.bubble_fraction, 3)
+    ((1.0, 3.0, 3.0, 6.0, 6.0, 2.0), 21.0, 0.429)
+    """
 
     schedule: PipelineSchedule
     tick_seconds: tuple[float, ...]
