@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Seven groups of tables, all in one run:
+itself costs.  Eight groups of tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -17,6 +17,8 @@ itself costs.  Seven groups of tables, all in one run:
 7. **checkpoints** (``bench/checkpoint.py``): bytes read and peak RSS of distributed loads by
    1 and 4 processes against the checkpoint's size, and ``infer_predict_layout`` beside XLA's
    compile.
+8. **pipeline schedules** (``bench/pipeline.py``): for S=4 stages and M=16 micro-batches, each
+   schedule's compiled temporaries, ticks, bubble fraction and collective-permutes.
 
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
 measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
@@ -412,6 +414,9 @@ def main() -> None:
     import checkpoint  # bench/checkpoint.py: distributed loads, infer_predict_layout
 
     ckpt = checkpoint.main(["--quick"] if args.quick else [])
+    import pipeline  # bench/pipeline.py: the pipeline schedules side by side
+
+    pipe = pipeline.main(["--quick"] if args.quick else [])
     mesh3 = mesh3_rows()
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
@@ -420,13 +425,15 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt}, f, indent=1)
+                   "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt, **pipe},
+                  f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
     for table in (programs_table(programs), gap_table(gaps), hand_table(hands),
                   speed_table(speeds), mesh3_table(mesh3), report_table(reports),
                   checkpoint.load_table(ckpt["checkpoint_loads"]),
-                  checkpoint.infer_table(ckpt["infer"])):
+                  checkpoint.infer_table(ckpt["infer"]),
+                  pipeline.table(pipe["pipeline_schedules"])):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

@@ -56,6 +56,11 @@ from jaxpar._src.launch.comm import get_rank as get_rank
 from jaxpar._src.launch.comm import init as init
 from jaxpar._src.layout import Layout as Layout
 from jaxpar._src.mesh import make_mesh as make_mesh
+from jaxpar._src.pipeline.cell import PipelineCell as PipelineCell
+from jaxpar._src.pipeline.markers import pipeline_stage as pipeline_stage
+from jaxpar._src.pipeline.report import PipelinePlan as PipelinePlan
+from jaxpar._src.pipeline.schedule import PipelineSchedule as PipelineSchedule
+from jaxpar._src.pipeline.schedule import Timeline as Timeline
 from jaxpar._src.plan import OpDecision as OpDecision
 from jaxpar._src.plan import ShardingPlan as ShardingPlan
 from jaxpar._src.ps.context import get_ps_context as get_ps_context
@@ -109,5 +114,6 @@ __all__ = [
     "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_ps_context",
     "set_seed", "shard",
     "PlanDiff", "Report",  # plan reports
+    "PipelineCell", "PipelinePlan", "PipelineSchedule", "Timeline", "pipeline_stage",
     "config",  # process-wide settings: plan_cache_dir
 ]

@@ -32,6 +32,8 @@ from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
+from jaxpar._src.pipeline import tracing as pipeline_tracing
+from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import load_cached, plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
@@ -56,6 +58,7 @@ class Settings:
     ckpt_load: str  # strategy_ckpt_load_file
     ckpt_save: str  # strategy_ckpt_save_file
     dataset_strategy: str | tuple = "data_parallel"  # how batch arguments arrive
+    pipeline: Any = None  # PipelineSettings: stages, micro-batches, schedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,13 +91,15 @@ class Parallelized:
                  search_mode: str | None, in_strategy: Any, out_strategy: Any,
                  hardware: HardwareProfile | str | None, batch_argnums: Sequence[int] | int | None,
                  donate_argnums: Sequence[int] | int, static_argnums: Sequence[int] | int,
-                 parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize"):
+                 parameter_plan: Mapping[str, Any] | None, api: str = "jaxpar.parallelize",
+                 micro_batches: int | None = None):
         functools.update_wrapper(self, fn)
         self._info = parallelize_info(
             fn, mesh=mesh, parallel_mode=parallel_mode, search_mode=search_mode,
             in_strategy=in_strategy, out_strategy=out_strategy, hardware=hardware,
             batch_argnums=batch_argnums, donate_argnums=donate_argnums,
-            static_argnums=static_argnums, parameter_plan=parameter_plan, api=api)
+            static_argnums=static_argnums, parameter_plan=parameter_plan, api=api,
+            micro_batches=micro_batches)
         self._cache: dict[Any, Compiled] = {}
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
         self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
@@ -180,7 +185,8 @@ class Parallelized:
                 f"number of devices if you want the MindSpore sum.")
         return Settings(mode, search, mesh, hardware, algo_parameters(),
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
-                        ctx.dataset_strategy)
+                        ctx.dataset_strategy,
+                        pipeline_settings(ctx, info.micro_batches, info.api))
 
     def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
         """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
@@ -227,7 +233,9 @@ class Parallelized:
         names = info.arg_names(len(args))
         mesh = settings.mesh
         trace_mesh = self._trace_mesh(settings)
-        with tracing_with(mesh, trace_mesh):
+        pipelining = pipeline_tracing.pipelining(pipeline_tracing.Tracing(
+            settings.pipeline, mesh, settings.mode, settings.search_mode, settings.hardware))
+        with tracing_with(mesh, trace_mesh), pipelining:
             try:
                 program = trace(info.fn, args, static_argnums=info.static_argnums,
                                 arg_names=names)
@@ -258,6 +266,7 @@ class Parallelized:
             plan = self._plan(args, program, settings, names, batch)
             if key is not None and cache_dir:
                 store_cached(cache_dir, key, plan, api=info.api)
+        plan = attach_pipeline(plan, program.graph)  # from the graph: also for a cached plan
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
@@ -396,6 +405,7 @@ def parallelize(
     donate_argnums: Sequence[int] | int = (),
     static_argnums: Sequence[int] | int = (),
     parameter_plan: Mapping[str, Any] | None = None,
+    micro_batches: int | None = None,
 ) -> Parallelized:
     """Transforms single-device ``fn`` into a sharded, jit-compiled program.
 
@@ -426,6 +436,9 @@ def parallelize(
       static_argnums: arguments that are Python values, as in ``jax.jit``.
       parameter_plan: ``{name or glob: strategy}`` for arrays named by their path, such as
         ``{"params.w1": (1, 4)}`` or ``{"*.kernel": P(None, "mp")}``.
+      micro_batches: micro-batches per step for the :class:`jaxpar.PipelineCell` losses in
+        ``fn`` when the context has ``pipeline_stages > 1`` (default: the context's
+        ``micro_batches``, else the stage count).
 
     Returns:
       A :class:`Parallelized`: call it like ``fn``; ``.lower(*args)`` gives the
@@ -451,4 +464,5 @@ def parallelize(
     return Parallelized(fn, mesh=mesh, parallel_mode=parallel_mode, search_mode=search_mode,
                         in_strategy=in_strategy, out_strategy=out_strategy, hardware=hardware,
                         batch_argnums=batch_argnums, donate_argnums=donate_argnums,
-                        static_argnums=static_argnums, parameter_plan=parameter_plan)
+                        static_argnums=static_argnums, parameter_plan=parameter_plan,
+                        micro_batches=micro_batches)

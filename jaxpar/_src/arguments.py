@@ -53,6 +53,7 @@ class ParallelizeInfo:
     signature: inspect.Signature | None
     positional_names: tuple[str, ...]  # names of fn's positional parameters, in order
     varargs: bool  # fn takes *args: any number of positional arguments
+    micro_batches: int | None = None  # pipeline micro-batches; None: the context's
 
     def arg_names(self, n: int) -> list[str]:
         """Names of ``n`` positional arguments: the parameter's name, else ``arg<i>``."""
@@ -91,7 +92,8 @@ def parallelize_info(fn: Callable, *, mesh: Mesh | None = None, parallel_mode: A
                      donate_argnums: Sequence[int] | int = (),
                      static_argnums: Sequence[int] | int = (),
                      parameter_plan: Mapping[str, Any] | None = None,
-                     api: str = "jaxpar.parallelize") -> ParallelizeInfo:
+                     api: str = "jaxpar.parallelize",
+                     micro_batches: int | None = None) -> ParallelizeInfo:
     """Checks ``parallelize``'s arguments once; every problem is a :class:`JaxparError`.
 
     >>> parallelize_info(lambda x: x, donate_argnums=3)
@@ -125,13 +127,18 @@ argument 3, but the function takes 1 positional argument(s) (x). Use numbers fro
                                f"glob patterns) to strategies, e.g. {{'*.kernel': (1, 4)}}, got "
                                f"{parameter_plan!r}.")
         parameter_plan = types.MappingProxyType(dict(parameter_plan))
+    if micro_batches is not None:
+        from jaxpar._src.pipeline.config import check_micro_batches
+
+        micro_batches = check_micro_batches(micro_batches, api)
     signature = _signature(fn)
     names, varargs = _positional(signature)
     batch, donate, static = check_argnums(fn, api, batch_argnums=batch_argnums,
                                           donate_argnums=donate_argnums,
                                           static_argnums=static_argnums)
     return ParallelizeInfo(fn, api, mesh, mode, search_mode, in_strategy, out_strategy, hardware,
-                           batch, donate, static, parameter_plan, signature, names, varargs)
+                           batch, donate, static, parameter_plan, signature, names, varargs,
+                           micro_batches)
 
 
 def check_argnums(fn: Callable, api: str, *, batch_argnums: Sequence[int] | int | None,

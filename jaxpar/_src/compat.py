@@ -118,9 +118,11 @@ def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
-                  params: dict[str, Any] | None = None) -> list[Any]:
+                  params: dict[str, Any] | None = None, *, here: bool = False) -> list[Any]:
     """Applies ``eqn``'s primitive to ``invals`` the way ``eval_jaxpr`` does; always a list.
-    ``params`` replaces the equation's parameters (e.g. a new accumulation dtype)."""
+    ``params`` replaces the equation's parameters (e.g. a new accumulation dtype); ``here``
+    keeps the abstract mesh in force now instead of the one the equation was traced under (a
+    piece of a program replayed inside ``shard_map``)."""
     prim = eqn.primitive
     params = eqn.params if params is None else params
     got = prim.get_bind_params(params) if hasattr(prim, "get_bind_params") else params
@@ -129,19 +131,21 @@ def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
         subfuns, bind_params = got
     else:
         subfuns, bind_params = [], got
-    with _eqn_context(eqn):
+    with _eqn_context(eqn, here):
         out = prim.bind(*subfuns, *invals, **bind_params)
     return list(out) if prim.multiple_results else [out]
 
 
 @contextlib.contextmanager
-def _eqn_context(eqn: jcore.JaxprEqn) -> Iterator[None]:
+def _eqn_context(eqn: jcore.JaxprEqn, here: bool = False) -> Iterator[None]:
     ctx = getattr(eqn, "ctx", None)
     manager = getattr(ctx, "manager", None) if ctx is not None else None
     user_ctx: Any = contextlib.nullcontext()
     if _siu is not None and hasattr(_siu, "user_context"):
         name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
         user_ctx = _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    if here:  # the recorded context would bring back the traced abstract mesh
+        manager = None
     with manager if manager is not None else contextlib.nullcontext(), user_ctx:
         yield
 
@@ -190,3 +194,11 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def jaxpr_function_name(jaxpr: Any) -> str:
+    """The name of the Python function a jaxpr was traced from (``""`` when unknown): how a
+    ``shard_map`` equation's body is recognised."""
+    info = getattr(jaxpr, "debug_info", None)
+    src = getattr(info, "func_src_info", None) or ""
+    return src.split(" ", 1)[0]

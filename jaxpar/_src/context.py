@@ -58,6 +58,11 @@ class ParallelContext:
     all_reduce_fusion_config: tuple[int, ...] | None = None  # gradient index split points
     comm_fusion: CommFusion | None = None  # per collective kind: "auto" | "size" | "index"
     parameter_broadcast: bool = False  # training starts from rank 0's parameters everywhere
+    pipeline_stages: int = 1  # stages on the mesh axis "pp" (see jaxpar.PipelineCell)
+    # {"pipeline_scheduler": "gpipe" | "1f1b", "pipeline_interleave": bool, ...}, kept as
+    # sorted (key, value) pairs so the context stays hashable; read back as a dict.
+    pipeline_config: tuple = ()
+    micro_batches: int | None = None  # micro-batches per step; None = pipeline_stages
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ParallelContext)}
@@ -118,7 +123,21 @@ def _validate(key: str, value: Any) -> Any:
         return None if value is None else CommFusion.parse(value)
     if key == "parameter_broadcast" and not isinstance(value, bool):
         raise ContextError(f"jaxpar: parameter_broadcast must be True or False, got {value!r}.")
+    if key in ("pipeline_stages", "pipeline_config", "micro_batches"):
+        return _pipeline_option(key, value)
     return value
+
+
+def _pipeline_option(key: str, value: Any) -> Any:
+    from jaxpar._src.pipeline import config
+
+    if key == "pipeline_stages":
+        return config.check_stages(value)
+    if key == "micro_batches":
+        return None if value is None else config.check_micro_batches(value)
+    if isinstance(value, tuple):  # already normal (a context copied from another)
+        value = dict(value)
+    return tuple(sorted(config.check_pipeline_config(value).items()))
 
 
 _base = ParallelContext()
@@ -138,7 +157,9 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     ``device_num``, ``global_rank``, ``gradients_mean``, ``mesh``, ``hardware``,
     ``strategy_ckpt_save_file``, ``strategy_ckpt_load_file``, ``dataset_strategy`` (or
     MindSpore's ``full_batch``), ``all_reduce_fusion_config``, ``comm_fusion``,
-    ``parameter_broadcast``.
+    ``parameter_broadcast``, ``pipeline_stages``, ``pipeline_config`` (``{"pipeline_scheduler":
+    "gpipe" | "1f1b", "pipeline_interleave": bool}``) and ``micro_batches`` (see
+    :class:`jaxpar.PipelineCell`).
 
     ``gradients_mean`` defaults to ``True`` here, unlike MindSpore: a JAX program sees the global
     batch, so its gradients are the mean over devices, as single-device training computes them;
@@ -166,6 +187,8 @@ def get_auto_parallel_context(attr_key: str) -> Any:
     """
     if attr_key == "full_batch":
         return current_context().dataset_strategy == "full_batch"
+    if attr_key == "pipeline_config":
+        return dict(current_context().pipeline_config)
     if attr_key not in _FIELDS:
         _validate(attr_key, None)
     return getattr(current_context(), attr_key)

@@ -238,15 +238,34 @@ def _parse_line(line: str, comp: str, times: int, num_devices: int | None
     attrs = line[m.end():]
     groups = _replica_groups(attrs, num_devices)
     if kind == "collective-permute":
+        # Its groups are the rings its pairs form (a pipeline's ppermute over "pp": one ring
+        # per pp-row of devices), so the axis labeller names the axis the data moves along.
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-        devs = set(int(x) for x in re.findall(r"\d+", pairs.group(1))) if pairs else set()
-        group_size = len(devs) or 2
-        groups = (tuple(sorted(devs)),) if devs else ()
+        nums = [int(x) for x in re.findall(r"\d+", pairs.group(1))] if pairs else []
+        groups = _rings(list(zip(nums[::2], nums[1::2], strict=True)))
+        group_size = len(groups[0]) if groups else 2
     else:
         group_size = len(groups[0]) if groups else (num_devices or 1)
     if kind == "reduce-scatter":
         nbytes *= group_size
     return CollectiveRecord(kind, name, comp, shapes, float(nbytes), group_size, groups, times)
+
+
+def _rings(pairs: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """The connected groups of devices that ``(source, target)`` pairs link."""
+    parent: dict[int, int] = {}
+
+    def root(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for x in list(parent):
+        groups.setdefault(root(x), []).append(x)
+    return tuple(sorted(tuple(sorted(g)) for g in groups.values()))
 
 
 def _split_tuple(type_str: str) -> list[str]:

@@ -50,12 +50,24 @@ def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
     return _Evaluator(graph, plan, mesh, constrain).run
 
 
+def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[int],
+                   env: dict, *, constrain: bool = True) -> None:
+    """Evaluates the top-level nodes ``seq`` of ``graph`` into ``env`` (value id -> array) with
+    ``plan``'s constraints on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``): a piece of a
+    program, such as one pipeline stage's layer inside ``shard_map`` (so the equations bind
+    under the abstract mesh in force, not the one they were traced under)."""
+    evaluator = _Evaluator(graph, plan, mesh, constrain)
+    evaluator.here = True
+    evaluator.eval_seq(seq, env)
+
+
 class _Evaluator:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool) -> None:
         self.graph = graph
         self.plan = plan
         self.mesh = mesh
         self.constrain_all = constrain
+        self.here = False  # bind under the abstract mesh in force (evaluate_nodes)
         self._shardings: dict[Spec, NamedSharding] = {}
 
     # -- values -------------------------------------------------------------------------------
@@ -170,7 +182,7 @@ class _Evaluator:
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invals[:1]
         else:
-            outs = bind_equation(node.eqn, invals)
+            outs = bind_equation(node.eqn, invals, here=self.here)
         for vid, val, spec in zip(node.outputs, outs, d.out_specs, strict=True):
             env[vid] = self.constrain(val, spec)
 

@@ -28,6 +28,7 @@ from jaxpar._src.context import ParallelMode
 from jaxpar._src.data_parallel import batch_specs, dataset_specs
 from jaxpar._src.errors import PlanError, StrategyError
 from jaxpar._src.operator_shard import operator_pins
+from jaxpar._src.pipeline.outer import pipeline_pins
 from jaxpar._src.rules import strategy_for_specs
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
@@ -277,6 +278,7 @@ def gather_pins(info: ParallelizeInfo, args: Sequence[Any], program: TracedProgr
             pins.append(pin(space, nid, "in", out_spec, "out_strategy", api=api))
     pins.extend(constraint_pins(space, mshape, api))
     pins.extend(operator_pins(space, mshape))
+    pins.extend(pipeline_pins(space, mshape))
     return pins
 
 

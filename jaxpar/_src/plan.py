@@ -167,6 +167,9 @@ class ShardingPlan:
     collectives: tuple[PredictedCollective, ...] = ()
     compute_s: float | None = None
     step_s: float | None = None
+    # The pipeline the program runs (jaxpar.PipelineCell): split, schedule, timeline; not in
+    # the JSON form (a strategy file describes layouts).
+    pipeline: Any = dataclasses.field(default=None, compare=False)
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -310,6 +313,8 @@ class ShardingPlan:
             line += f"; pure data parallel: {_seconds(self.baseline_s)}"
         lines.append(line)
         lines.extend(f"note: {n}" for n in self.notes)
+        if self.pipeline is not None:
+            lines.append(self.pipeline.explain())
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -99,6 +99,7 @@ def plan_cache_key(*, graph: OpGraph, in_tree: Any, out_tree: Any, signature: Se
         "mode": str(settings.mode.value), "search_mode": str(settings.search_mode),
         "hardware": _text(settings.hardware), "algo": _text(settings.algo),
         "dataset_strategy": _text(settings.dataset_strategy),
+        "pipeline": _text(settings.pipeline),
         "strategies": _sha(_text((info.in_strategy, info.out_strategy,
                                   None if info.parameter_plan is None
                                   else sorted(info.parameter_plan.items()),

@@ -185,7 +185,8 @@ class Model:
     def _train_step(self, state: Any, batch: tuple) -> Any:
         ctx = current_context()
         mode = ctx.parallel_mode
-        key = ("train", mode, ctx.search_mode, ctx.mesh, ctx.dataset_strategy, len(batch))
+        key = ("train", mode, ctx.search_mode, ctx.mesh, ctx.dataset_strategy, len(batch),
+               ctx.pipeline_stages, ctx.pipeline_config, ctx.micro_batches)
         step = self._steps.get(key)
         if step is not None:
             return step
@@ -193,6 +194,7 @@ class Model:
         manager = self.loss_scale_manager
         reducer = DistributedGradReducer(state[0]) if mode is ParallelMode.DATA_PARALLEL \
             else None
+        pipe = _pipeline_loss(apply, loss_fn, len(batch), state[1], ctx)
 
         def train_step(state: Any, *batch: Any) -> Any:
             import optax
@@ -201,8 +203,11 @@ class Model:
             *inputs, labels = batch
 
             def loss_of(p: Any) -> Any:
-                out, new_rest = apply(p, rest, *inputs)
-                loss = loss_fn(out, labels)
+                if pipe is not None:  # the network's only state is its parameters
+                    loss, new_rest = pipe(p, rest, *inputs, labels), rest
+                else:
+                    out, new_rest = apply(p, rest, *inputs)
+                    loss = loss_fn(out, labels)
                 return (manager.scale(loss, ls) if manager else loss), (loss, new_rest)
 
             grads, (loss, new_rest) = jax.grad(loss_of, has_aux=True)(params)
@@ -329,6 +334,26 @@ def _check_label(batch: tuple, data: Iterable, where: str) -> None:
         f"last column is the label), but this data has {shown}. Add the labels, e.g. "
         f"NumpySlicesDataset((x, y), column_names=['data', 'label']) or batches of (x, y) "
         f"tuples; use Model.predict for inputs alone.")
+
+
+def _pipeline_loss(apply: Any, loss_fn: Any, n_batch: int, rest: Any, ctx: Any) -> Any:
+    """The loss as a :class:`jaxpar.PipelineCell` when the context pipelines
+    (``pipeline_stages > 1`` in a semi-automatic or automatic mode), else ``None``."""
+    if ctx.pipeline_stages <= 1 or ctx.parallel_mode not in (
+            ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+        return None
+    if jax.tree.leaves(rest):
+        raise ContextError(
+            "jaxpar.Model.train: pipeline_stages > 1 pipelines networks whose only state is "
+            "their parameters; this one also keeps other state (batch statistics, RNG "
+            "counters), which a pipeline would have to thread through every micro-batch.")
+    from jaxpar._src.pipeline.cell import PipelineCell
+
+    def network_loss(params: Any, rest: Any, *batch: Any) -> Any:
+        *inputs, labels = batch
+        return loss_fn(apply(params, rest, *inputs)[0], labels)
+
+    return PipelineCell(network_loss, batch_argnums=tuple(range(2, 2 + n_batch)))
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""``make bench``'s pipeline table: what each schedule holds in memory and how much it idles.
+
+A GPT-style train step (8 identical blocks) runs as a pipeline of ``S = 4`` stages over
+``M = 16`` micro-batches on a ``(dp=2, pp=4)`` mesh of 8 devices, under every schedule jaxpar
+has: GPipe, 1F1B, both interleaved (``v = 2`` chunks per stage), and GPipe and 1F1B keeping only
+each stage's input for the backward (``pipeline_residuals="recompute"``).  Per schedule, from the
+compiled program: per-device temporaries (``compiled.memory_analysis().temp_size_in_bytes``: the
+activations, residual slots and buffers of the step; arguments and results are the weights and
+gradients, the same for every schedule), the collective-permutes over ``pp``, and from the plan:
+ticks, the simulated timeline's bubble fraction (unit costs: forward 1, backward 2 per stage) and
+the micro-batch chunks in flight per stage.  The unpipelined step on the same mesh (the batch on
+all 8 devices) is the reference line.
+
+    python bench/pipeline.py [--quick]      (bench/run.py runs it too)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+import gpt  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxpar  # noqa: E402
+
+SCHEDULES = (  # name, pipeline_config
+    ("gpipe", {"pipeline_scheduler": "gpipe"}),
+    ("1f1b", {"pipeline_scheduler": "1f1b"}),
+    ("gpipe interleaved v=2", {"pipeline_scheduler": "gpipe", "pipeline_interleave": True}),
+    ("1f1b interleaved v=2", {"pipeline_scheduler": "1f1b", "pipeline_interleave": True}),
+    ("gpipe, recompute", {"pipeline_scheduler": "gpipe", "pipeline_residuals": "recompute"}),
+    ("1f1b, recompute", {"pipeline_scheduler": "1f1b", "pipeline_residuals": "recompute"}),
+)
+
+
+def _case(quick: bool):
+    cfg = gpt.GPTConfig(layers=8, annotate=False, d_model=32 if quick else 64, heads=4,
+                        ff=64 if quick else 256, seq=16 if quick else 32, vocab=64)
+    model = gpt.GPT(cfg, nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(p, inputs, targets):
+        logits = nnx.merge(graphdef, p)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    batch = np.asarray(next(gpt.batches(gpt.corpus(), 32, cfg.seq)))
+    return cfg, loss_fn, params, batch
+
+
+def _measure(step, params, batch) -> dict:
+    t = time.perf_counter()
+    compiled = step.lower(params, batch).compile()
+    compile_s = time.perf_counter() - t
+    mem = compiled.memory_analysis()
+    colls = jaxpar.inspect.collectives(compiled)
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    return {"temp_bytes": int(mem.temp_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes),
+            "permutes": sum(c.count for c in permutes),
+            "permute_axes": sorted({"+".join(c.axes or ("?",)) for c in permutes}),
+            "compile_s": compile_s}
+
+
+def rows(quick: bool = False) -> list[dict]:
+    cfg, loss_fn, params, batch = _case(quick)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "pp"))
+    out = []
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh):
+        def plain(p, b):
+            return jax.value_and_grad(loss_fn)(p, b[:, :-1], b[:, 1:])
+
+        ref = _measure(jaxpar.parallelize(plain, batch_argnums=1), params, batch)
+        out.append({"schedule": "unpipelined (batch over 8)", **ref})
+        for name, config in SCHEDULES:
+            cell = jaxpar.PipelineCell(loss_fn)
+
+            def step(p, b, cell=cell):
+                return jax.value_and_grad(cell)(p, b[:, :-1], b[:, 1:])
+
+            with jaxpar.auto_parallel_context(pipeline_stages=4, micro_batches=16,
+                                              pipeline_config=config):
+                pstep = jaxpar.parallelize(step, batch_argnums=1)
+                row = _measure(pstep, params, batch)
+                pipe = pstep.plan(params, batch).pipeline
+            row.update(schedule=name, ticks=pipe.schedule.num_ticks,
+                       bubble_unit=pipe.unit_timeline.bubble_fraction,
+                       bubble_model=pipe.timeline.bubble_fraction,
+                       in_flight=list(pipe.schedule.in_flight()),
+                       split=list(pipe.split.counts))
+            out.append(row)
+            print(f"pipeline {name}: temp {row['temp_bytes'] / 2**20:.2f} MiB, "
+                  f"compile {row['compile_s']:.1f}s", flush=True)
+    for r in out:
+        r.update(layers=cfg.layers, d_model=cfg.d_model, seq=cfg.seq, batch=int(batch.shape[0]))
+    return out
+
+
+def table(rows: list[dict]) -> list[str]:
+    r0 = rows[0]
+    lines = [f"## Pipeline schedules: S=4 stages x M=16 micro-batches, GPT {r0['layers']} "
+             f"layers d={r0['d_model']} seq={r0['seq']} batch={r0['batch']}, mesh (dp=2, pp=4)",
+             "",
+             "Temporaries are per device, from `compiled.memory_analysis()` (activations, "
+             "residual slots, buffers); bubble: the simulated timeline with a stage's forward "
+             "1 and backward 2; in flight: micro-batch chunks a stage holds residuals of.",
+             "",
+             "| schedule | temp MiB | ticks | bubble | (S-1)/(vM+S-1) | in flight per stage | "
+             "collective-permutes | compile s |",
+             "|---|---:|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        if "ticks" not in r:
+            lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | - | - | - | - | "
+                         f"{r['permutes']} | {r['compile_s']:.1f} |")
+            continue
+        v = 2 if "v=2" in r["schedule"] else 1
+        formula = 3 / (v * 16 + 3)
+        axes = "+".join(r["permute_axes"])
+        lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | {r['ticks']} | "
+                     f"{r['bubble_unit']:.3f} | {formula:.3f} | {r['in_flight']} | "
+                     f"{r['permutes']} over {axes} | {r['compile_s']:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    result = {"pipeline_schedules": rows("--quick" in argv)}
+    if __name__ == "__main__":
+        out = os.path.join(ROOT, "bench", "results")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "pipeline.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print("\n".join(table(result["pipeline_schedules"])))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+"""The tick loop: one SPMD program that runs a whole pipeline schedule.
+
+Inside ``jax.shard_map`` over ``"pp"`` only (the other mesh axes stay automatic, so the plan's
+data and tensor parallelism inside a stage is XLA's to partition), every device is one stage
+``s = axis_index("pp")`` and plays its column of the schedule's tick table.  Per tick:
+
+1. store what arrived (an activation from stage ``s - 1``, a cotangent from stage ``s + 1``) in
+   the slots the table names;
+2. the forward task, if any: stage 0 runs the prologue on its micro-batch for chunk 0, every
+   stage runs its chunk (its stacked layer weights), the last chunk also runs the epilogue with
+   its backward (``jax.vjp``: loss and the cotangent to start this micro-batch's backward);
+   the chunk's backward residuals go to a slot;
+3. the backward task, if any: the chunk's pullback from its stored residuals (``jax.vjp``
+   pullbacks are pytrees: their leaves are the residuals), weight gradients accumulate in the
+   stage's own stacked slots; chunk 0 continues into the prologue's backward;
+4. ``ppermute`` the activation to ``s + 1`` and the cotangent to ``s - 1`` (XLA's
+   collective-permute), round the ring for interleaved chunks.
+
+Idle tasks are skipped with ``lax.cond`` (a bubble costs no compute) and write only to a scratch
+slot, so nothing a bubble holds reaches a result: tests fill bubbles with NaN to prove it.  One
+``scan`` runs each phase of the table (GPipe: forwards, then backwards; 1F1B: warm-up, steady
+state, cool-down) with only the code that phase needs.  Weight gradients stay on their stage;
+the loss and the gradients of the unstacked weights are summed over ``"pp"`` at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar._src.pipeline.config import AXIS
+from jaxpar._src.pipeline.pieces import Pieces, is_float
+from jaxpar._src.pipeline.slots import SlotTables
+from jaxpar._src.spec import Spec
+
+LOOP_NAME = "jaxpar_pipeline_loop"  # the shard_map body's name: how outer.py knows it
+LOOP_SCOPE = "jaxpar_pipeline_"  # the name scope around a pipeline's loop, + its program id
+
+
+@dataclasses.dataclass
+class _Residuals:
+    """Which leaves of a chunk's pullback to keep, found by tracing it once."""
+
+    treedef: Any = None
+    x_avals: list[Any] = dataclasses.field(default_factory=list)
+    kinds: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    stored: list[Any] = dataclasses.field(default_factory=list)  # avals of stored leaves
+    specs: list[Spec | None] = dataclasses.field(default_factory=list)
+
+
+def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
+    """``run(weights, rest, batch)`` for ``program``: the shard_map'd tick loop.
+
+    ``weights``: stacked layer weights ``[S, v, k, ...]``; ``rest``: the other weights;
+    ``batch``: micro-batched inputs ``[M, mb, ...]``.  Returns the loss, and with ``backward``
+    also the stacked weight gradients, the other weights' gradients and the batch gradients
+    (floating inputs only).  ``fill`` is what bubbles and empty slots hold.
+    """
+    sched = program.schedule if backward else program.forward_schedule
+    tables = SlotTables.of(sched)
+    pieces = Pieces(program)
+    S, M = program.config.stages, program.config.micro_batches
+    scale = 1.0 / M if program.config.reduction == "mean" else 1.0
+    recompute = program.config.residuals == "recompute"
+    fwd_perm = [(i, (i + 1) % S) for i in range(S)]
+    bwd_perm = [(i, (i - 1) % S) for i in range(S)]
+    w_local = [Spec(((), ()) + program.spec(program.rep_layer.weights[j]).dims)
+               for j in program.stacked]
+    carried_specs = [program.spec(v) for v in program.carried_in]
+
+    def body(weights: list, rest: list, batch: list) -> Any:
+        s = jax.lax.axis_index(AXIS)
+        weights = [w[0] for w in weights]  # this stage's [v, k, ...]
+        active = jnp.asarray(program.active)[s]  # [v, k]
+        rows = {k: jnp.asarray(t) for k, t in tables.tables.items()}
+        carried0 = jax.eval_shape(lambda: pieces.prologue(rest, [b[0] for b in batch]))
+
+        def buf(shapes: Sequence[Any], slots: int, specs: Sequence[Spec | None]) -> list:
+            return [_constrain(pieces, _filled(a, fill, (slots + 1,)), sp, lead=1)
+                    for a, sp in zip(shapes, specs, strict=True)]
+
+        res = _Residuals()
+        if backward:
+            _probe(pieces, res, weights, active, carried0, rest, batch, recompute)
+        carry: dict[str, Any] = {
+            "act": buf(carried0, tables.act_slots, carried_specs),
+            "in_act": [_filled(a, fill) for a in carried0],
+            "loss": jnp.zeros((), jnp.float32),
+        }
+        if backward:
+            carry |= {
+                "ct": buf(carried0, tables.ct_slots, carried_specs),
+                "in_ct": [_filled(a, fill) for a in carried0],
+                "res": buf(res.stored, tables.res_slots, res.specs),
+                "g_w": [jnp.zeros_like(w) for w in weights],
+                "g_rest": [jnp.zeros_like(r) for r in rest],
+                "g_batch": [jnp.zeros_like(b) for b in batch],
+            }
+        ctx = _Tick(pieces, program, weights, active, rest, batch, s, res, scale,
+                    recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs)
+        for start, stop, has_f, has_b in tables.phases():
+            xs = {k: v[start:stop] for k, v in rows.items()}
+
+            def tick(c: dict, row: dict, has_f: bool = has_f, has_b: bool = has_b
+                     ) -> tuple[dict, None]:
+                return ctx.tick(c, {k: v[s] for k, v in row.items()}, has_f, has_b), None
+
+            carry, _ = jax.lax.scan(tick, carry, xs)
+        loss = jax.lax.psum(carry["loss"], AXIS)
+        if not backward:
+            return loss
+        g_rest = [jax.lax.psum(g, AXIS) for g in carry["g_rest"]]
+        g_batch = [jax.lax.psum(g, AXIS) for g in carry["g_batch"]]
+        g_w = [g[None] for g in carry["g_w"]]
+        return loss, g_w, g_rest, g_batch
+
+    n_w = len(program.stacked)
+    in_specs = ([P(AXIS)] * n_w, [P()] * len(program.rest), [P()] * len(program.batch))
+    out_specs: Any = P()
+    if backward:
+        out_specs = (P(), [P(AXIS)] * n_w, [P()] * len(program.rest),
+                     [P()] * len(program.batch))
+    body.__name__ = body.__qualname__ = LOOP_NAME
+    mapped = jax.shard_map(body, mesh=program.mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names={AXIS}, check_vma=False)
+
+    def run(weights: list, rest: list, batch: list) -> Any:
+        with jax.named_scope(f"{LOOP_SCOPE}{program.id}"):
+            return mapped(weights, rest, batch)
+
+    return run
+
+
+@dataclasses.dataclass
+class _Tick:
+    """One tick of one stage; see the module docstring."""
+
+    pieces: Pieces
+    program: Any
+    weights: list
+    active: Any
+    rest: list
+    batch: list
+    stage: Any
+    res: _Residuals
+    scale: float
+    recompute: bool
+    fill: float
+    fwd_perm: list
+    bwd_perm: list
+    w_local: list
+    carried_specs: list
+
+    def tick(self, c: dict, row: dict, has_f: bool, has_b: bool) -> dict:
+        c = dict(c)
+        c["act"] = [_put(b, row["recv_act"], x) for b, x in zip(c["act"], c["in_act"],
+                                                                 strict=True)]
+        if has_b:
+            c["ct"] = [_put(b, row["recv_ct"], x) for b, x in zip(c["ct"], c["in_ct"],
+                                                                   strict=True)]
+        if has_f:
+            c = self.forward(c, row)
+        if has_b:
+            c = self.backward(c, row)
+        return c
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, c: dict, row: dict) -> dict:
+        pieces = self.pieces
+        backward = "ct" in c
+        batch_m = [_get(b, row["f_micro"]) for b in self.batch]
+        w_c = [_get(w, row["f_local"]) for w in self.weights]
+        act_c = _get(self.active, row["f_local"])
+
+        def run() -> tuple:
+            x = jax.lax.cond(
+                row["f_first"] > 0,
+                lambda: self._carried(pieces.prologue(self.rest, batch_m)),
+                lambda: self._carried([_get(b, row["f_in"]) for b in c["act"]]))
+            if backward:
+                y, stored = self._chunk_forward(w_c, act_c, x, batch_m)
+            else:
+                y, stored = self._carried(pieces.chunk(w_c, act_c, x, self.rest,
+                                                       batch_m)), []
+            if backward:
+                ends = jax.lax.cond(row["f_last"] > 0, lambda: self._epilogue_vjp(y, batch_m),
+                                    lambda: self._no_epilogue(y))
+            else:
+                ends = jax.lax.cond(
+                    row["f_last"] > 0,
+                    lambda: pieces.epilogue(self.rest, y, batch_m).astype(jnp.float32),
+                    lambda: jnp.zeros((), jnp.float32))
+            return y, stored, ends
+
+        def idle() -> tuple:
+            shapes = jax.eval_shape(run)
+            y = self._carried([_filled(a, self.fill) for a in shapes[0]])
+            stored = [_filled(a, self.fill) for a in shapes[1]]
+            ends = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[2])
+            if backward:
+                ends = (ends[0], self._carried([_filled(a, self.fill) for a in shapes[2][1]]),
+                        *ends[2:])
+            return y, stored, ends
+
+        y, stored, ends = jax.lax.cond(row["f_on"] > 0, run, idle)
+        c["in_act"] = [jax.lax.ppermute(v, AXIS, self.fwd_perm) for v in y]
+        if not backward:
+            c["loss"] = c["loss"] + ends * self.scale
+            return c
+        loss_m, ct_y, g_rest, ct_b = ends
+        c["loss"] = c["loss"] + loss_m * self.scale
+        c["res"] = [_put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
+        c["ct"] = [_put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
+        c["g_rest"] = _add(c["g_rest"], g_rest)
+        c["g_batch"] = [_add_at(g, row["f_micro"], d) for g, d in zip(c["g_batch"], ct_b,
+                                                                      strict=True)]
+        return c
+
+    def _carried(self, xs: Sequence[Any]) -> list:
+        return [_constrain(self.pieces, x, sp) for x, sp in zip(xs, self.carried_specs,
+                                                                strict=True)]
+
+    def _chunk_fn(self, active: Any, batch_m: list) -> Callable:
+        pieces = self.pieces
+
+        def f(w: list, x: list, r: list, b: list) -> list:
+            return pieces.chunk(w, active, x, r, _merge(batch_m, b))
+
+        return f
+
+    def _chunk_forward(self, w_c: list, act_c: Any, x: list, batch_m: list) -> tuple:
+        """The chunk's output and the residual leaves its backward needs."""
+        if self.recompute:
+            y = self.pieces.chunk(w_c, act_c, x, self.rest, batch_m)
+            return self._carried(y), list(x)
+        y, pull = jax.vjp(self._chunk_fn(act_c, batch_m), w_c, x, _floats(self.rest),
+                          _floats(batch_m))
+        leaves = jax.tree.leaves(pull)
+        stored = [leaves[i] for i, (kind, _) in enumerate(self.res.kinds) if kind == "store"]
+        stored = [_constrain(self.pieces, v, sp) for v, sp in zip(stored, self.res.specs,
+                                                                   strict=True)]
+        return self._carried(y), stored
+
+    def _epilogue_vjp(self, y: list, batch_m: list) -> tuple:
+        pieces = self.pieces
+
+        def f(r: list, x: list, b: list) -> Any:
+            return pieces.epilogue(_merge(self.rest, r), x,
+                                   _merge(batch_m, b)).astype(jnp.float32)
+
+        loss, pull = jax.vjp(f, _floats(self.rest), list(y), _floats(batch_m))
+        g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
+        return (loss, self._carried(_dense(ct_y, y)), _dense(g_r, self.rest),
+                _dense(ct_b, batch_m))
+
+    def _no_epilogue(self, y: list) -> tuple:
+        ct_y = self._carried([_filled(v, self.fill) for v in y])
+        return (jnp.zeros((), jnp.float32), ct_y, [jnp.zeros_like(r) for r in self.rest],
+                [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, c: dict, row: dict) -> dict:
+        pieces = self.pieces
+        batch_m = [_get(b, row["b_micro"]) for b in self.batch]
+        w_c = [_get(w, row["b_local"]) for w in self.weights]
+        act_c = _get(self.active, row["b_local"])
+
+        def run() -> tuple:
+            ct = self._carried([_get(b, row["b_ct"]) for b in c["ct"]])
+            stored = [_get(b, row["b_res"]) for b in c["res"]]
+            g_w, ct_x, g_r, ct_b = self._chunk_backward(w_c, act_c, stored, ct, batch_m)
+
+            def into_prologue() -> tuple:
+                def f(r: list, b: list) -> list:
+                    return pieces.prologue(_merge(self.rest, r), _merge(batch_m, b))
+
+                _, pull = jax.vjp(f, _floats(self.rest), _floats(batch_m))
+                g_r2, b2 = pull(_floats_like(ct_x))
+                return _dense(g_r2, self.rest), _dense(b2, batch_m)
+
+            def no_prologue() -> tuple:
+                return ([jnp.zeros_like(r) for r in self.rest],
+                        [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+
+            g_r2, b2 = jax.lax.cond(row["b_first"] > 0, into_prologue, no_prologue)
+            return (g_w, self._carried(ct_x), _add(g_r, g_r2), _add(ct_b, b2))
+
+        def idle() -> tuple:
+            shapes = jax.eval_shape(run)
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+            ct_x = self._carried([_filled(a, self.fill) for a in shapes[1]])
+            return (zeros[0], ct_x, *zeros[2:])
+
+        g_w, ct_x, g_r, ct_b = jax.lax.cond(row["b_on"] > 0, run, idle)
+        c["in_ct"] = [jax.lax.ppermute(v, AXIS, self.bwd_perm) for v in ct_x]
+        c["g_w"] = [_constrain(self.pieces, _add_at(g, row["b_local"], d), sp)
+                    for g, d, sp in zip(c["g_w"], g_w, self.w_local, strict=True)]
+        c["g_rest"] = _add(c["g_rest"], g_r)
+        c["g_batch"] = [_add_at(g, row["b_micro"], d) for g, d in zip(c["g_batch"], ct_b,
+                                                                      strict=True)]
+        return c
+
+    def _chunk_backward(self, w_c: list, act_c: Any, stored: list, ct: list, batch_m: list
+                        ) -> tuple:
+        f = self._chunk_fn(act_c, batch_m)
+        if self.recompute:
+            _, pull = jax.vjp(f, w_c, list(stored), _floats(self.rest), _floats(batch_m))
+        else:
+            pull = self._pullback(f, w_c, stored, batch_m)
+        g_w, ct_x, g_r, ct_b = pull(_floats_like(ct))
+        return (_dense(g_w, w_c), _dense(ct_x, ct), _dense(g_r, self.rest),
+                _dense(ct_b, batch_m))
+
+    def _pullback(self, f: Callable, w_c: list, stored: list, batch_m: list) -> Any:
+        """The forward's pullback, its leaves from the slots, the weights, the batch, or
+        recomputed (those that depend on no activation: XLA keeps only what they need)."""
+        kinds = self.res.kinds
+        again: list = []
+        if any(k == "recompute" for k, _ in kinds):
+            x0 = [jnp.zeros(a.shape, a.dtype) for a in self.res.x_avals]
+            again = jax.tree.leaves(jax.vjp(f, w_c, x0, _floats(self.rest),
+                                            _floats(batch_m))[1])
+        sources = {"w": w_c, "r": _floats(self.rest), "b": _floats(batch_m)}
+        it = iter(stored)
+        leaves = []
+        for i, (kind, j) in enumerate(kinds):
+            if kind == "store":
+                leaves.append(next(it))
+            elif kind == "recompute":
+                leaves.append(again[i])
+            else:
+                leaves.append(sources[kind][j])
+        return jax.tree.unflatten(self.res.treedef, leaves)
+
+
+def _probe(pieces: Pieces, res: _Residuals, weights: list, active: Any, carried0: Any,
+           rest: list, batch: list, recompute: bool) -> None:
+    """Traces one chunk's forward to learn its pullback's leaves: which are the weights or
+    the batch (taken live in the backward), which depend on the activation or the batch
+    (stored), and which on neither (recomputed)."""
+    res.x_avals = list(carried0)
+    if recompute:
+        res.stored = list(carried0)
+        res.specs = [pieces.spec(v) for v in pieces.p.carried_in]
+        return
+    w0 = [w[0] for w in weights]
+    a0 = active[0]
+    batch_m = [b[0] for b in batch]
+
+    def leaves_of(w: list, x: list, r: list, b: list) -> list:
+        def f(w: list, x: list, rr: list, bb: list) -> list:
+            return pieces.chunk(w, a0, x, _merge(rest, rr), _merge(batch_m, bb))
+
+        _, pull = jax.vjp(f, w, x, r, b)
+        leaves, res.treedef = jax.tree.flatten(pull)
+        ids: dict[int, tuple[str, int]] = {}
+        for kind, group in (("w", w), ("r", r), ("b", b)):
+            for j, v in enumerate(group):
+                if v is not None:
+                    ids.setdefault(id(v), (kind, j))
+        res.kinds = [ids.get(id(leaf), ("?", -1)) for leaf in leaves]
+        return leaves
+
+    x0 = [jnp.zeros(a.shape, a.dtype) for a in carried0]
+    floats_r = _floats(rest)
+    closed = jax.make_jaxpr(leaves_of)(w0, x0, floats_r, _floats(batch_m))
+    n_w, n_x = len(w0), len(x0)
+    n_r = len(jax.tree.leaves(floats_r))
+    invars = closed.jaxpr.invars
+    tainted = set(invars[n_w:n_w + n_x]) | set(invars[n_w + n_x + n_r:])
+    dirty = _taint(closed.jaxpr, tainted)
+    producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    kinds, stored, specs = [], [], []
+    for (kind, j), out in zip(res.kinds, closed.jaxpr.outvars, strict=True):
+        if kind != "?":
+            kinds.append((kind, j))
+        elif _is_literal(out) or out not in dirty:
+            kinds.append(("recompute", -1))
+        else:
+            kinds.append(("store", -1))
+            stored.append(out.aval)
+            producer = producers.get(out)
+            specs.append(_sharding_spec(producer, list(producer.outvars).index(out))
+                         if producer is not None else None)
+    res.kinds, res.stored, res.specs = kinds, stored, specs
+
+
+def _taint(jaxpr: Any, tainted: set) -> set:
+    """Variables of ``jaxpr`` that depend on ``tainted``: through a ``scan`` output by output
+    (a layer stack's weight-only residuals stay clean), through other nested equations as a
+    whole."""
+    dirty = set(tainted)
+    for eqn in jaxpr.eqns:
+        ins = [not _is_literal(v) and v in dirty for v in eqn.invars]
+        if not any(ins):
+            continue
+        if eqn.primitive.name == "scan":
+            dirty.update(v for v, d in zip(eqn.outvars, _scan_taint(eqn, ins), strict=True)
+                         if d)
+        else:
+            dirty.update(eqn.outvars)
+    return dirty
+
+
+def _scan_taint(eqn: Any, ins: list[bool]) -> list[bool]:
+    """Which outputs of a scan depend on its tainted operands (carries to a fixed point)."""
+    from jaxpar._src.compat import scan_counts
+
+    body = eqn.params["jaxpr"].jaxpr
+    nc, nk = scan_counts(eqn.params)
+    flags = list(ins)
+    while True:
+        inner = _taint(body, {v for v, d in zip(body.invars, flags, strict=True) if d})
+        outs = [not _is_literal(v) and v in inner for v in body.outvars]
+        grown = [f or (nc <= i < nc + nk and outs[i - nc]) for i, f in enumerate(flags)]
+        if grown == flags:
+            return outs
+        flags = grown
+
+
+def _is_literal(v: Any) -> bool:
+    return type(v).__name__ == "Literal"
+
+
+def _sharding_spec(eqn: Any, index: int = 0) -> Spec | None:
+    """The layout a residual was constrained to where it was made, if it was (a scan's
+    stacked output: its body's layout under a leading unsplit dimension)."""
+    if eqn is None:
+        return None
+    if eqn.primitive.name == "scan":
+        from jaxpar._src.compat import scan_counts
+
+        body = eqn.params["jaxpr"].jaxpr
+        if index < scan_counts(eqn.params)[1]:
+            return None  # a carry: not stacked
+        out = body.outvars[index]
+        producer = next((e for e in body.eqns if out in e.outvars), None)
+        inner = _sharding_spec(producer, list(producer.outvars).index(out)) if producer \
+            else None
+        return None if inner is None else Spec(((),) + inner.dims)
+    if eqn.primitive.name != "sharding_constraint":
+        return None
+    spec = getattr(eqn.params["sharding"], "spec", None)
+    if spec is None:
+        return None
+    return Spec.from_partition_spec(spec, len(eqn.outvars[0].aval.shape))
+
+
+# -- small helpers -----------------------------------------------------------------------------
+def _filled(aval: Any, fill: float, lead: tuple[int, ...] = ()) -> Any:
+    """An array of ``aval``'s shape (after ``lead``) holding ``fill``; integers hold zero."""
+    shape = lead + tuple(aval.shape)
+    if is_float(aval):
+        return jnp.full(shape, fill, aval.dtype)
+    return jnp.zeros(shape, aval.dtype)
+
+
+def _constrain(pieces: Pieces, x: Any, spec: Spec | None, lead: int = 0) -> Any:
+    if spec is None:
+        return x
+    return pieces.constrain(x, Spec(((),) * lead + spec.dims))
+
+
+def _get(buf: Any, i: Any) -> Any:
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _put(buf: Any, i: Any, x: Any) -> Any:
+    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
+
+
+def _add_at(buf: Any, i: Any, x: Any) -> Any:
+    if not is_float(buf):
+        return buf
+    return _put(buf, i, _get(buf, i) + x.astype(buf.dtype))
+
+
+def _add(a: list, b: list) -> list:
+    return [x + y if is_float(x) else x for x, y in zip(a, b, strict=True)]
+
+
+def _floats(xs: Sequence[Any]) -> list:
+    """The floating inputs (the only ones with gradients); others become ``None`` leaves."""
+    return [x if is_float(x) else None for x in xs]
+
+
+def _merge(full: Sequence[Any], floats: Sequence[Any]) -> list:
+    return [f if f is not None else x for x, f in zip(full, floats, strict=True)]
+
+
+def _dense(cts: Sequence[Any], like: Sequence[Any]) -> list:
+    """Cotangents as arrays of the primal's dtype (zeros where JAX gave float0 or None)."""
+    out = []
+    for ct, x in zip(cts, like, strict=True):
+        if ct is None or not is_float(x) or getattr(ct, "dtype", None) == jax.dtypes.float0:
+            out.append(jnp.zeros(jnp.shape(x), jnp.result_type(x)))
+        else:
+            out.append(ct.astype(jnp.result_type(x)))
+    return out
+
+
+def _floats_like(cts: Sequence[Any]) -> list:
+    """Cotangents for the carried values: float0 zeros for the integer ones."""
+    return [ct if is_float(ct) else np.zeros(ct.shape, jax.dtypes.float0) for ct in cts]

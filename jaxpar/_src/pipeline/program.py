@@ -1,0 +1,323 @@
+"""``PipelineProgram``: a pipelined loss for one argument signature, built once.
+
+1. The loss is traced at micro-batch size and planned by jaxpar on the mesh without ``"pp"``
+   (the context's mode and search: in ``auto_parallel`` the search sees a micro-batch's forward
+   and backward, then the forward is laid out from the inputs it chose).
+2. Its layer sequence is found (``layers.py``) and split into chunks (``split.py``).
+3. The prologue's nodes are sorted into those the layers need (stage 0, per micro-batch) and
+   those only the loss needs (moved to the epilogue, on the last stage); the carried values are
+   fixed.  Weight work (what reads no batch input) runs before the loop, in the enclosing
+   program, where autodiff carries its gradients back to the parameters.
+4. The schedule and its slot tables are made, and the layouts of the loop's inputs over the whole
+   mesh: stacked weights ``P("pp", None, None, *layer layout)``, the rest as planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from jaxpar._src.errors import MeshError, PlanError
+from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
+from jaxpar._src.pipeline.schedule import PipelineSchedule
+from jaxpar._src.pipeline.split import (
+    BACKWARD_FACTOR,
+    StageSplit,
+    choose_split,
+    marked_split,
+    slots_within,
+)
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.spec import Spec
+
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineProgram:
+    """Everything the loop needs for one pipelined loss; see the module docstring."""
+
+    id: int
+    config: PipelineConfig
+    mesh: Mesh
+    sub_plan: ShardingPlan  # the micro-batch loss planned on the mesh without "pp"
+    graph: OpGraph
+    layers: LayerSequence
+    rep: int  # the layer whose nodes every layer runs
+    split: StageSplit
+    schedule: PipelineSchedule
+    forward_schedule: PipelineSchedule
+    rest: tuple[int, ...]  # weights passed whole: read by prologue, epilogue, or every layer
+    batch: tuple[int, ...]  # value ids of the batch inputs
+    pro_nodes: tuple[int, ...]
+    epi_nodes: tuple[int, ...]
+    carried_shared: tuple[int, ...]
+    carried_in: tuple[int, ...]  # layer 0's activation, then carried_shared
+    out_operand: Any
+    stacked: tuple[int, ...]  # the layer weight positions stacked by stage
+    batch_leaves: tuple[int, ...]  # flat argument leaves that are batch inputs
+    n_leaves: int
+    micro_size: int  # rows per micro-batch
+    active: np.ndarray  # [S, v, slots] bool: which stacked layer slots hold a layer
+    slot_layer: np.ndarray  # [S, v, slots] int: the layer in each slot (-1: padding)
+    hardware: HardwareProfile
+    act_bytes: float  # the carried values of one micro-batch, per device
+
+    @property
+    def rep_layer(self) -> Layer:
+        return self.layers.layers[self.rep]
+
+    def spec(self, vid: int) -> Spec:
+        """The micro-batch plan's layout of value ``vid``."""
+        v = self.graph.values[vid]
+        return self.sub_plan.decisions[v.producer].out_specs[v.index]
+
+    def weight_spec(self, j: int) -> Spec:
+        """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
+        counts the stacked positions)."""
+        return Spec(((AXIS,), (), ()) + self.spec(self.rep_layer.weights[self.stacked[j]]).dims)
+
+    def stacked_values(self, j: int) -> tuple[int, ...]:
+        """Stacked weight ``j``'s value in every layer."""
+        return tuple(layer.weights[self.stacked[j]] for layer in self.layers.layers)
+
+    def batch_spec(self, j: int) -> Spec:
+        """Batch input ``j``'s layout micro-batched, ``[M, rows, ...]``."""
+        return Spec(((),) + self.spec(self.batch[j]).dims)
+
+
+def sub_mesh(mesh: Mesh, where: str) -> Mesh:
+    """The devices of stage 0 over the mesh's other axes (plans name axes, not devices)."""
+    names = tuple(mesh.axis_names)
+    if AXIS not in names:
+        raise MeshError(f"{where}: a pipeline runs its stages on the mesh axis {AXIS!r}, but "
+                        f"the mesh has axes {names}. Build it with one, e.g. "
+                        f"jaxpar.make_mesh((2, 2, 2), ('dp', 'tp', 'pp')).")
+    k = names.index(AXIS)
+    devices = np.take(mesh.devices, 0, axis=k)
+    rest = names[:k] + names[k + 1:]
+    if not rest:
+        return Mesh(np.asarray(devices).reshape(1), ("stage",), axis_types=(AxisType.Auto,))
+    return Mesh(devices, rest, axis_types=(AxisType.Auto,) * len(rest))
+
+
+def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int, ...],
+                  config: PipelineConfig, mesh: Mesh, mode: Any, search_mode: str,
+                  hardware: HardwareProfile, where: str) -> PipelineProgram:
+    """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``."""
+    from jaxpar._src.context import ParallelMode
+
+    S, M = config.stages, config.micro_batches
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(AXIS)
+    if size is None:
+        sub_mesh(mesh, where)  # raises the error that says how to add the axis
+    if size != S:
+        raise MeshError(f"{where}: pipeline_stages={S} but the mesh axis {AXIS!r} has {size} "
+                        f"devices; they must be equal.")
+    sub = sub_mesh(mesh, where)
+    micro_args, rows = _micro_args(args, batch_argnums, M, where)
+    sub_mode = mode if sub.devices.size > 1 else ParallelMode.STAND_ALONE
+    entry = _plan(fn, micro_args, batch_argnums, sub, sub_mode, search_mode, hardware)
+    program, plan = entry.program, entry.plan
+    graph = program.graph
+    n_leaves = len(graph.inputs)
+    batch_leaves = tuple(i for i, a in enumerate(program.arg_index) if a in batch_argnums)
+    batch = tuple(graph.nodes[graph.inputs[i]].outputs[0] for i in batch_leaves)
+    if len(graph.outputs) != 1:
+        raise PlanError(f"{where}: a pipelined function returns one scalar loss; this one "
+                        f"returns {len(graph.outputs)} arrays.")
+    out_operand = graph.nodes[graph.outputs[0]].inputs[0]
+    if graph.operand_shape(out_operand) != ():
+        raise PlanError(f"{where}: a pipelined function returns one scalar loss; this one "
+                        f"returns shape {graph.operand_shape(out_operand)}.")
+    layers = find_layers(graph, program.jaxpr, frozenset(batch), where=where)
+    n = len(layers.layers)
+    C = config.chunks
+    if layers.marked and n != C:
+        raise PlanError(f"{where}: {n} stages are marked with jaxpar.pipeline_stage, but the "
+                        f"pipeline has {C} chunks ({S} stages x {config.repeats} repeats).")
+    if n < C:
+        raise PlanError(f"{where}: found {n} identical layers ({layers.period} operators "
+                        f"each), fewer than the {C} chunks of the pipeline ({S} stages x "
+                        f"{config.repeats} repeats). Use fewer stages or a deeper model.")
+    rep = n // 2
+    parts = _partition(graph, layers, frozenset(batch))
+    costs = _costs(graph, plan, layers.layers[rep], parts, hardware)
+    schedule = PipelineSchedule.build(config.schedule, S, M, config.repeats)
+    forward = PipelineSchedule.build("forward", S, M, config.repeats)
+    in_flight = max(schedule.in_flight())
+    if layers.marked:
+        split = marked_split(n, stages=S, layer_s=costs["layer_s"],
+                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
+                             layer_bytes=costs["layer_bytes"],
+                             residual_bytes=costs["residual_bytes"])
+    else:
+        per_slot = config.repeats * 2 * costs["layer_bytes"] + \
+            in_flight * costs["residual_bytes"]
+        assert hardware.memory_per_device is not None  # a profile fills every field
+        max_slots, fits = slots_within(float(hardware.memory_per_device),
+                                       fixed_bytes=2 * costs["rest_bytes"],
+                                       per_slot_bytes=per_slot, layers=n, chunks=C)
+        split = choose_split(n, stages=S, repeats=config.repeats, layer_s=costs["layer_s"],
+                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
+                             max_slots=max_slots, layer_bytes=costs["layer_bytes"],
+                             residual_bytes=costs["residual_bytes"], fits=fits)
+    slot_layer = np.full((S, config.repeats, split.slots), -1, np.int32)
+    for c in range(C):
+        start = split.first_layer(c)
+        for i in range(split.counts[c]):
+            slot_layer[c % S, c // S, i] = start + i
+    return PipelineProgram(
+        next(_ids), config, mesh, plan, graph, layers, rep, split, schedule, forward,
+        parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
+        tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
+        batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
+        costs["act_bytes"])
+
+
+def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, where: str
+                ) -> tuple[list[Any], int]:
+    """The arguments with every batch leaf cut to one micro-batch's rows."""
+    rows = None
+    out = []
+    for i, a in enumerate(args):
+        if i not in batch_argnums:
+            out.append(a)
+            continue
+
+        def cut(x: Any, i: int = i) -> Any:
+            nonlocal rows
+            shape = tuple(getattr(x, "shape", ()))
+            if not shape or shape[0] % M:
+                raise PlanError(f"{where}: argument {i} is a batch input of shape {shape}; "
+                                f"its leading (batch) dimension must split into "
+                                f"micro_batches={M} equal parts.")
+            if rows is not None and shape[0] // M != rows:
+                raise PlanError(f"{where}: the batch inputs disagree on the batch size.")
+            rows = shape[0] // M
+            return jax.ShapeDtypeStruct((rows,) + shape[1:], x.dtype)
+
+        out.append(jax.tree.map(cut, a))
+    if rows is None:
+        raise PlanError(f"{where}: no batch input to split into micro-batches; say which "
+                        f"arguments carry the batch (batch_argnums).")
+    return out, rows
+
+
+def _plan(fn: Callable, args: list[Any], batch_argnums: tuple[int, ...], mesh: Mesh,
+          mode: Any, search_mode: str, hardware: HardwareProfile) -> Any:
+    """The micro-batch loss planned on ``mesh`` (see the module docstring)."""
+    from jaxpar._src.api import parallelize
+    from jaxpar._src.context import ParallelMode, auto_parallel_context
+
+    # A separate trace of a separate function: JAX refuses a smaller abstract mesh on top of the
+    # enclosing step's, so clear it first (the step's own trace is untouched).
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())), auto_parallel_context(
+            pipeline_stages=1, dataset_strategy="data_parallel", strategy_ckpt_load_file="",
+            strategy_ckpt_save_file=""):
+        if mode is ParallelMode.AUTO_PARALLEL:
+            params = tuple(i for i in range(len(args)) if i not in batch_argnums)
+            train = parallelize(jax.value_and_grad(fn, argnums=params), mesh=mesh,
+                                parallel_mode=mode, search_mode=search_mode, hardware=hardware,
+                                batch_argnums=batch_argnums)
+            chosen = train.compiled_entry(*args).plan.input_specs
+            leaves = iter(s.to_partition_spec() for s in chosen)
+            strategy = tuple(jax.tree.map(lambda _: next(leaves), a) for a in args)
+            fwd = parallelize(fn, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=strategy, hardware=hardware,
+                              batch_argnums=batch_argnums)
+        else:
+            fwd = parallelize(fn, mesh=mesh, parallel_mode=mode, search_mode=search_mode,
+                              hardware=hardware, batch_argnums=batch_argnums)
+        return fwd.compiled_entry(*args)
+
+
+def _partition(graph: OpGraph, layers: LayerSequence, batch: frozenset[int]) -> dict:
+    """Sorts the prologue (see the module docstring) and lists what the pieces read."""
+    pro = list(layers.prologue)
+    pro_set = set(pro)
+    layer_nodes = [n for layer in layers.layers for n in layer.nodes]
+    needed: set[int] = set()  # prologue nodes the layers need
+    work = [graph.values[o].producer for n in layer_nodes for o in _reads(graph, n)
+            if graph.values[o].producer in pro_set]
+    while work:
+        nid = work.pop()
+        if nid in needed:
+            continue
+        needed.add(nid)
+        node = graph.nodes[nid]
+        if node.kind is NodeKind.EXIT:
+            work.append(control_of(node))
+        work.extend(graph.values[o].producer for o in _reads(graph, nid)
+                    if graph.values[o].producer in pro_set)
+    pro_nodes = tuple(n for n in pro if n in needed)
+    epi_nodes = tuple(n for n in pro if n not in needed) + tuple(layers.epilogue)
+    made_on_stage0 = {v for n in pro_nodes for v in graph.nodes[n].outputs}
+    act0 = set(layers.layers[0].act_in)
+    shared = sorted({o for nid in tuple(layer_nodes) + epi_nodes for o in _reads(graph, nid)
+                     if o in made_on_stage0} - (act0 - set(layers.shared)))
+    weight_made = {v for n in layers.weight_nodes for v in graph.nodes[n].outputs}
+    inputs = {graph.nodes[n].outputs[0] for n in graph.inputs}
+    rest = {o for nid in pro_nodes + epi_nodes for o in _reads(graph, nid)
+            if (o in inputs and o not in batch) or o in weight_made}
+    rest |= {layers.layers[0].weights[j] for j in layers.common}
+    return {"pro_nodes": pro_nodes, "epi_nodes": epi_nodes, "carried_shared": tuple(shared),
+            "rest": tuple(sorted(rest))}
+
+
+def _reads(graph: OpGraph, nid: int) -> list[int]:
+    """Value ids a top-level node reads from outside itself (a loop's operands)."""
+    node = graph.nodes[nid]
+    if node.kind is NodeKind.EXIT:
+        return []
+    return [o for o in node.inputs if isinstance(o, int) and not isinstance(o, Const)]
+
+
+def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
+           hardware: HardwareProfile) -> dict[str, float]:
+    """Seconds and bytes per device of a layer, the prologue and the epilogue (cost model)."""
+    mesh = plan.mesh
+
+    assert hardware.flops_per_s is not None  # a profile fills every field
+    flops_per_s = float(hardware.flops_per_s)
+
+    def seconds(nodes: Sequence[int]) -> float:
+        total = 0.0
+        for nid in nodes:
+            for inner in _nested(graph, nid):
+                d = plan.decisions[inner]
+                total += d.flops / flops_per_s + d.comm_time
+        return total
+
+    def local_bytes(vid: int) -> float:
+        v = graph.values[vid]
+        spec = plan.decisions[v.producer].out_specs[v.index]
+        shape = spec.shard_shape(v.shape, mesh) if spec.ndim == len(v.shape) else v.shape
+        return float(math.prod(shape) * graph.values[vid].nbytes / max(math.prod(v.shape), 1))
+
+    residual = sum(local_bytes(v) for nid in rep.nodes for inner in _nested(graph, nid)
+                   if graph.nodes[inner].kind is NodeKind.OP for v in graph.nodes[inner].outputs)
+    return {
+        "layer_s": seconds(rep.nodes),
+        "prologue_s": seconds(parts["pro_nodes"]),
+        "epilogue_s": seconds(parts["epi_nodes"]) * (1.0 + BACKWARD_FACTOR),
+        "layer_bytes": sum(local_bytes(v) for v in rep.weights),
+        "residual_bytes": residual,
+        "rest_bytes": sum(local_bytes(v) for v in parts["rest"]),
+        "act_bytes": sum(local_bytes(v) for v in rep.act_in),
+    }
+
+
+def _nested(graph: OpGraph, nid: int) -> list[int]:
+    return members(graph, nid)
+

@@ -1,0 +1,148 @@
+"""``PipelinePlan``: what a plan says about its pipeline (``plan.pipeline``).
+
+It carries the schedule and its simulated timeline (under the cost model, and with the textbook
+unit costs whose bubble is ``(S-1)/(v*M+S-1)``), the split and why, the layers found, and the
+micro-batch plan that lays out every stage over the other mesh axes.
+
+>>> from jaxpar._src.pipeline.schedule import PipelineSchedule
+>>> s = PipelineSchedule.build("gpipe", 2, 4)
+>>> f"{s.timeline().bubble_fraction:.3f}"
+'0.200'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.schedule import PipelineSchedule, Timeline
+from jaxpar._src.pipeline.split import BACKWARD_FACTOR, StageSplit
+
+MAX_GRID_TICKS = 64  # draw the tick grid in explain() up to this many ticks
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """A pipeline in a plan.
+
+    Attributes:
+      config: stages, micro-batches, schedule, repeats.
+      schedule: the tick table (:class:`PipelineSchedule`).
+      timeline: the schedule under the cost model's per-chunk times (seconds).
+      unit_timeline: the schedule with a stage's forward = 1 and backward = 2 (the textbook
+        bubble fraction).
+      split: layers per chunk and what they cost (:class:`StageSplit`).
+      sub_plan: the micro-batch loss planned on the mesh without ``"pp"``.
+      layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
+      crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
+      micro_rows: rows per micro-batch.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> def loss(w, x):
+    ...     for i in range(4):
+    ...         x = jnp.tanh(x @ w[i])
+    ...     return jnp.mean(x ** 2)
+    >>> mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    >>> with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+    ...                                   pipeline_stages=2, micro_batches=4):
+    ...     step = jaxpar.parallelize(jax.grad(jaxpar.PipelineCell(loss)), batch_argnums=1)
+    ...     pipe = step.plan(jnp.ones((4, 8, 8)), jnp.ones((16, 8))).pipeline
+    >>> pipe.layers, pipe.split.counts, round(pipe.unit_timeline.bubble_fraction, 3)
+    (4, (2, 2), 0.2)
+    """
+
+    config: PipelineConfig
+    schedule: PipelineSchedule
+    timeline: Timeline
+    unit_timeline: Timeline
+    split: StageSplit
+    sub_plan: Any
+    layers: int
+    period: int
+    marked: bool
+    prologue_ops: int
+    epilogue_ops: int
+    stacked_weights: int
+    crossing_bytes: float
+    micro_rows: int
+
+    @classmethod
+    def of(cls, program: Any) -> PipelinePlan:
+        split, sched, hw = program.split, program.schedule, program.hardware
+        from jaxpar._src.spec import MeshShape
+
+        mesh = MeshShape.of(program.mesh)
+        link = hw.latency(AXIS, mesh) + program.act_bytes / hw.bandwidth(AXIS, mesh)
+        timeline = sched.timeline(
+            forward_cost=split.chunk_forward_s(),
+            backward_cost=tuple(BACKWARD_FACTOR * f for f in split.chunk_forward_s()),
+            extra_first=split.prologue_s, extra_last=split.epilogue_s, tick_overhead=link)
+        ls = program.layers
+        return cls(program.config, sched, timeline, sched.timeline(), split, program.sub_plan,
+                   len(ls.layers), ls.period, ls.marked, len(program.pro_nodes),
+                   len(program.epi_nodes), len(program.stacked), program.act_bytes,
+                   program.micro_size)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of stage-time under the cost model."""
+        return self.timeline.bubble_fraction
+
+    def explain(self) -> str:
+        c, s = self.config, self.schedule
+        v = f", {c.repeats} repeats (interleaved)" if c.repeats > 1 else ""
+        found = ("the user's pipeline_stage markers" if self.marked else
+                 f"repeats, cut where {_bytes(self.crossing_bytes)} per device cross")
+        lines = [
+            f"pipeline: {c.stages} stages on '{AXIS}' x {c.micro_batches} micro-batches of "
+            f"{self.micro_rows} rows, schedule {c.schedule}{v}",
+            f"  layers: {self.layers} identical layers of {self.period} operators (found by "
+            f"{found}); prologue {self.prologue_ops} operators on stage 0, epilogue "
+            f"{self.epilogue_ops} on stage {c.stages - 1}; {self.stacked_weights} weights "
+            f"stacked per layer",
+        ]
+        sp = self.split
+        if sp.how == "markers":
+            lines.append("  split: one marked region per chunk")
+        else:
+            slowest = max(sp.chunk_cost_s(i) for i in range(sp.chunks))
+            why = f"the slowest chunk costs {_ms(slowest)} vs {_ms(sp.even_cost_s)} even"
+            lines.append(f"  split: counts {list(sp.counts)} balance the cost model's time "
+                         f"(forward + backward per micro-batch; {why})"
+                         + ("" if sp.fits else "; the memory estimate exceeds the budget"))
+        lines.extend("    " + line for line in sp.stage_lines())
+        inner = self.sub_plan
+        lines.append(f"  each stage on {inner.mesh}: {inner.parallel_mode}"
+                     f"{'/' + inner.search_mode if inner.search_mode != 'none' else ''} "
+                     f"(plan.pipeline.sub_plan.explain())")
+        lines.append(
+            f"  schedule: {s.num_ticks} ticks; bubble {self.timeline.bubble_fraction:.1%} under "
+            f"the cost model ({_ms(self.timeline.total_s)} per step), "
+            f"{self.unit_timeline.bubble_fraction:.1%} with unit costs; in flight per stage "
+            f"{list(s.in_flight())} chunk micro-batches")
+        per_stage = sp.slots * c.repeats * sp.layer_bytes
+        lines.append(f"  memory per device (est.): stacked weights {_bytes(per_stage)}, "
+                     f"residuals up to {max(s.in_flight()) * sp.slots} layer x micro-batch "
+                     f"sets of {_bytes(sp.residual_bytes)}")
+        if s.num_ticks <= MAX_GRID_TICKS:
+            lines.extend("    " + line for line in s.render().splitlines())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ms(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"

@@ -1,0 +1,333 @@
+"""Pipeline parallel: schedules and their timelines, the stage split, the layers found, and the
+pipelined step against the unpipelined one (losses and gradients to float32 precision, bubbles
+filled with NaN), with its collective-permutes over ``pp`` in the compiled HLO."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar._src.pipeline.layers import find_layers
+from jaxpar._src.pipeline.schedule import PipelineSchedule, Task
+from jaxpar._src.pipeline.slots import SlotTables
+from jaxpar._src.pipeline.split import choose_split
+from jaxpar._src.trace import trace
+
+NAN = float("nan")
+
+
+# -- schedules and timelines (no JAX) -----------------------------------------------------------
+@pytest.mark.parametrize("S,M", [(2, 1), (2, 4), (4, 4), (4, 16), (8, 3)])
+def test_gpipe_bubble_is_the_textbook_fraction(S, M):
+    tl = PipelineSchedule.build("gpipe", S, M).timeline()
+    assert tl.bubble_fraction == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("S,M,v", [(2, 4, 2), (4, 16, 2), (4, 8, 4), (4, 5, 2)])
+def test_interleaved_bubble_is_the_textbook_fraction(S, M, v):
+    tl = PipelineSchedule.build("gpipe", S, M, v).timeline()
+    assert tl.bubble_fraction == pytest.approx((S - 1) / (v * M + S - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 16), (4, 8)])
+def test_1f1b_idles_like_gpipe_but_holds_o_of_s(S, M):
+    gpipe = PipelineSchedule.build("gpipe", S, M)
+    ofob = PipelineSchedule.build("1f1b", S, M)
+    assert ofob.timeline().bubble_fraction == pytest.approx(gpipe.timeline().bubble_fraction)
+    assert max(gpipe.in_flight()) == M
+    # lock-step 1F1B: a cotangent needs a tick per hop back, so stage s holds 2 (S - 1 - s) + 1
+    assert ofob.in_flight() == tuple(min(M, 2 * (S - 1 - s) + 1) for s in range(S))
+    assert ofob.num_ticks < gpipe.num_ticks  # forwards and backwards share ticks
+
+
+def test_interleaved_1f1b_holds_less_than_interleaved_gpipe():
+    gpipe = PipelineSchedule.build("gpipe", 4, 16, 2)
+    ofob = PipelineSchedule.build("1f1b", 4, 16, 2)
+    assert ofob.timeline().bubble_fraction == pytest.approx(3 / (2 * 16 + 3))
+    assert max(ofob.in_flight()) < max(gpipe.in_flight()) / 2
+
+
+def test_every_schedule_respects_its_dependencies():
+    for kind in ("gpipe", "1f1b", "forward"):
+        for S, M, v in [(2, 2, 1), (3, 5, 1), (2, 4, 3), (4, 4, 2)]:
+            s = PipelineSchedule.build(kind, S, M, v)
+            s.validate()
+            where = s.tasks()
+            assert all(where[Task("F", m, c)][1] == c % S for m in range(M)
+                       for c in range(S * v))
+
+
+def test_timeline_prices_the_busiest_stage():
+    s = PipelineSchedule.build("gpipe", 2, 2)
+    tl = s.timeline(forward_cost=[1.0, 3.0], backward_cost=[2.0, 6.0])
+    # F ticks: (1), (1|3), (3); B ticks: (6), (2|6), (2)
+    assert tl.tick_seconds == (1.0, 3.0, 3.0, 6.0, 6.0, 2.0)
+    assert tl.total_s == 21.0
+
+
+def test_interleave_needs_enough_micro_batches():
+    with pytest.raises(jaxpar.ContextError, match="at least as many micro-batches"):
+        PipelineSchedule.build("gpipe", 4, 2, 2)
+
+
+def test_slots_hold_what_is_in_flight():
+    t = SlotTables.of(PipelineSchedule.build("gpipe", 4, 16))
+    assert t.res_slots == 16 and t.act_slots == 1
+    t = SlotTables.of(PipelineSchedule.build("1f1b", 4, 16))
+    assert t.res_slots == 7 and t.ct_slots == 1
+    assert [p[2:] for p in t.phases()] == [(True, False), (True, True), (False, True)]
+
+
+# -- the split -------------------------------------------------------------------------------------
+def test_split_balances_a_heavy_head():
+    assert choose_split(8, stages=2, repeats=1, layer_s=1.0).counts == (4, 4)
+    heavy = choose_split(8, stages=2, repeats=1, layer_s=1.0, epilogue_s=7.0)
+    assert heavy.counts == (5, 3) and heavy.chunk_cost_s(1) < heavy.even_cost_s
+    assert choose_split(8, stages=2, repeats=1, layer_s=1.0, epilogue_s=7.0,
+                        max_slots=4).counts == (4, 4)  # the memory budget binds
+
+
+def test_split_interleaved_chunks_and_near_ties_prefer_fewer_slots():
+    assert choose_split(8, stages=2, repeats=2, layer_s=1.0).counts == (2, 2, 2, 2)
+    # 1% faster with three slots is not worth a third slot of memory
+    assert choose_split(4, stages=2, repeats=1, layer_s=1.0, epilogue_s=0.03).counts == (2, 2)
+
+
+# -- the layers found -----------------------------------------------------------------------------
+def _gpt(layers=4):
+    sys.path.insert(0, "examples")
+    import gpt
+    import optax
+    from flax import nnx
+
+    cfg = gpt.GPTConfig(layers=layers, annotate=False, d_model=16, heads=2, ff=32, seq=8,
+                        vocab=64)
+    graphdef, params = nnx.split(gpt.GPT(cfg, nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(p, inputs, targets):
+        logits = nnx.merge(graphdef, p)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    batch = np.asarray(next(gpt.batches(gpt.corpus(), 8, cfg.seq)))
+    return gpt, cfg, loss_fn, params, batch
+
+
+def _layers(fn, args, nbatch):
+    prog = trace(fn, args)
+    g = prog.graph
+    batch = frozenset(g.nodes[n].outputs[0] for n in g.inputs[len(g.inputs) - nbatch:])
+    return g, find_layers(g, prog.jaxpr, batch, where="test")
+
+
+def test_gpt_blocks_are_found_and_cut_at_the_residual_stream():
+    _, cfg, loss_fn, params, batch = _gpt(4)
+    g, ls = _layers(loss_fn, (params, batch[:, :-1], batch[:, 1:]), 2)
+    assert len(ls.layers) == 4 and not ls.marked
+    act = [g.values[v].shape for v in ls.layers[1].act_in]
+    assert act == [(8, 8, 16)]  # only the residual stream crosses a block boundary
+    assert any(g.nodes[n].name == "gather" for n in ls.prologue)  # the embedding
+    head = [g.nodes[n] for n in ls.epilogue if g.nodes[n].name == "dot_general"]
+    assert [g.values[h.outputs[0]].shape for h in head] == [(8, 8, 64)]  # the vocab head
+    # the kernels are read as they are; biases and norm scales through weight work (their
+    # broadcasts read no batch input and run before the pipeline)
+    labels = [g.nodes[g.values[v].producer].label for v in ls.layers[2].weights
+              if g.nodes[g.values[v].producer].kind == "input"]
+    assert len(labels) == 6 and all(".blocks.2." in lab and "kernel" in lab for lab in labels)
+    assert len(ls.stacked) == len(ls.layers[2].weights) >= 12
+
+
+def test_stage_markers_make_the_layers():
+    def loss(w, x):
+        for i in range(4):
+            with jaxpar.pipeline_stage(i // 2):
+                x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    _, ls = _layers(loss, (jnp.ones((4, 8, 8)), jnp.ones((4, 8))), 1)
+    assert ls.marked and len(ls.layers) == 2 and ls.period == 4
+
+
+def test_marked_stages_that_differ_are_refused():
+    def loss(w, x):
+        with jaxpar.pipeline_stage(0):
+            x = jnp.tanh(x @ w[0])
+        with jaxpar.pipeline_stage(1):
+            x = jnp.sin(x @ w[1])
+        return jnp.mean(x ** 2)
+
+    with pytest.raises(jaxpar.PlanError, match="same code on their own weights"):
+        _layers(loss, (jnp.ones((2, 8, 8)), jnp.ones((4, 8))), 1)
+
+
+def test_no_repeated_layers_is_a_clear_error():
+    def loss(w1, w2, x):
+        return jnp.mean(jnp.sin(jnp.tanh(x @ w1) @ w2))
+
+    with pytest.raises(jaxpar.PlanError, match="identical layers"):
+        _layers(loss, (jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((4, 8))), 1)
+
+
+# -- the pipelined step ----------------------------------------------------------------------------
+def _toy():
+    def loss(w, x):
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    return loss, w, x
+
+
+@pytest.mark.parametrize("config", [
+    {"pipeline_scheduler": "gpipe"},
+    {"pipeline_scheduler": "1f1b"},
+    {"pipeline_scheduler": "gpipe", "pipeline_interleave": True},
+    {"pipeline_scheduler": "1f1b", "pipeline_interleave": True},
+    {"pipeline_scheduler": "1f1b", "pipeline_residuals": "recompute"},
+], ids=["gpipe", "1f1b", "gpipe-v2", "1f1b-v2", "1f1b-recompute"])
+def test_pipelined_step_equals_unpipelined_with_nan_bubbles(config):
+    loss, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, pipeline_config=config):
+        cell = jaxpar.PipelineCell(loss, bubble_fill=NAN)  # no bubble may reach a result
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        colls = jaxpar.inspect.collectives(step.lower(w, x).compile())
+        plan = step.plan(w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    assert np.isfinite(value) and np.all(np.isfinite(grad))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    permutes = colls.of("collective-permute")
+    assert permutes.count() >= plan.pipeline.schedule.num_ticks - 1
+    assert {r.axes for r in permutes} == {("pp",)}
+    v = 2 if config.get("pipeline_interleave") else 1
+    assert plan.pipeline.unit_timeline.bubble_fraction == pytest.approx(1 / (v * 4 + 1))
+
+
+def test_marked_stages_pipeline_and_an_undifferentiated_loss_runs_forwards_only():
+    def loss(w, x):
+        for i in range(4):
+            with jaxpar.pipeline_stage(i // 2):
+                x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    _, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=2):
+        step = jaxpar.parallelize(jaxpar.PipelineCell(loss, bubble_fill=NAN), batch_argnums=1)
+        value = step(w, x)
+        assert step.plan(w, x).pipeline.split.how == "markers"
+    np.testing.assert_allclose(value, loss(w, x), rtol=1e-6)
+
+
+def test_layers_holding_a_scan_pipeline_too():
+    def loss(w, x):  # each layer is a loop (its nodes nest in the scan's region)
+        for i in range(4):
+            wi = w[i]
+
+            def body(h, _, wi=wi):
+                return jnp.tanh(h @ wi), None
+
+            x, _ = jax.lax.scan(body, x, None, length=2)
+        return jnp.mean(x ** 2)
+
+    _, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss, bubble_fill=NAN)),
+                                  micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        assert step.plan(w, x).pipeline.layers == 4
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_gradients_equal_unpipelined_with_nan_bubbles():
+    # (Model.train below runs 1F1B; the toy above every schedule)
+    _, _, loss_fn, params, batch = _gpt(4)
+    x, y = batch[:, :-1], batch[:, 1:]
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, pipeline_config={
+                                          "pipeline_scheduler": "gpipe",
+                                          "pipeline_interleave": True}):
+        cell = jaxpar.PipelineCell(loss_fn, bubble_fill=NAN)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=2,
+                                  batch_argnums=(1, 2))  # 4 rows per micro-batch: 1 per dp
+        value, grad = step(params, x, y)
+        assert step.plan(params, x, y).pipeline.schedule.repeats == 2
+    ref_value, ref_grad = jax.value_and_grad(loss_fn)(params, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                                         grad, ref_grad))
+    assert len(diffs) == len(jax.tree.leaves(ref_grad)) and max(diffs) < 1e-5, max(diffs)
+
+
+def test_gpt_train_step_on_dp_tp_pp_with_model_train():
+    gpt, cfg, _, _, _ = _gpt(2)  # one block per stage: the smallest GPT that pipelines
+    import optax
+    from flax import nnx
+
+    stream = gpt.batches(gpt.corpus(), 8, cfg.seq)
+    data = [(b[:, :-1], b[:, 1:]) for b in (next(stream) for _ in range(2))]
+
+    def loss(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mesh = jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=2,
+                                      pipeline_config={"pipeline_scheduler": "1f1b"}):
+        model = jaxpar.Model(gpt.GPT(cfg, nnx.Rngs(0)), loss, optax.adam(1e-2))
+        model.train(1, data)
+        colls = jaxpar.inspect.collectives(model.lower(*data[0]).compile())
+    reference = jaxpar.Model(gpt.GPT(cfg, nnx.Rngs(0)), loss, optax.adam(1e-2))
+    reference.train(1, data)
+    np.testing.assert_allclose(model.history, reference.history, rtol=1e-5)
+    assert model.history[1] < model.history[0]
+    # the loop's permutes rotate micro-batches over pp; outside the loop XLA may also permute
+    # devices to move a value between two layouts of the same mesh (one call each)
+    rotations = [r for r in colls.of("collective-permute") if r.count > 1]
+    assert rotations and {r.axes for r in rotations} == {("pp",)}
+    # the search uses the tp axis too (at this size as more data parallelism: XLA reduces
+    # the gradients over dp and tp together)
+    assert any(r.axes and "tp" in r.axes for r in colls), colls.table()
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_bad_pipeline_options_are_context_errors():
+    with pytest.raises(jaxpar.ContextError, match="pipeline_scheduler"):
+        jaxpar.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "seqpipe"})
+    with pytest.raises(jaxpar.ContextError, match="unknown pipeline_config key"):
+        jaxpar.set_auto_parallel_context(pipeline_config={"interleave": True})
+    with pytest.raises(jaxpar.ContextError, match="micro_batches"):
+        jaxpar.set_auto_parallel_context(micro_batches=0)
+    with jaxpar.auto_parallel_context(pipeline_stages=4,
+                                      pipeline_config={"pipeline_interleave": True}):
+        assert jaxpar.get_auto_parallel_context("pipeline_stages") == 4
+        assert jaxpar.get_auto_parallel_context("pipeline_config") == {
+            "pipeline_interleave": True}
+
+
+def test_a_mesh_without_pp_and_an_uneven_batch_are_explained():
+    loss, w, x = _toy()
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                      mesh=jaxpar.make_mesh((8,), ("dp",))):
+        with pytest.raises(jaxpar.MeshError, match="'pp'"):
+            jaxpar.parallelize(jaxpar.PipelineCell(loss), batch_argnums=1)(w, x)
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                      mesh=jaxpar.make_mesh((4, 2), ("dp", "pp"))):
+        with pytest.raises(jaxpar.PlanError, match="micro_batches=3"):
+            jaxpar.parallelize(jaxpar.PipelineCell(loss), micro_batches=3,
+                               batch_argnums=1)(w, x)
