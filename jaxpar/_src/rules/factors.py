@@ -54,7 +54,14 @@ class OpCategory(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class FactorRule:
-    """How an operator's tensor dimensions share loop factors (see module docstring)."""
+    """How an operator's tensor dimensions share loop factors (see module docstring).
+
+    >>> b = RuleBuilder()
+    >>> m, k, n = b.factor(8), b.factor(16), b.factor(4)  # x[m, k] @ w[k, n] -> y[m, n]
+    >>> rule = b.build([[m, k], [k, n]], [[m, n]], reductions={k: "sum"}, flops=2 * 8 * 16 * 4)
+    >>> rule.sizes, rule.reductions
+    ((8, 16, 4), ((1, 'sum'),))
+    """
 
     sizes: tuple[int, ...]  # size of each factor
     operands: tuple[tuple[Dim, ...], ...]  # per operand, per dimension
@@ -83,7 +90,14 @@ class FactorRule:
 
 
 class RuleBuilder:
-    """Allocates factors and assembles a :class:`FactorRule`."""
+    """Allocates factors and assembles a :class:`FactorRule`.
+
+    >>> b = RuleBuilder()
+    >>> rows, cols = b.factors((8, 4))  # one factor per dimension of an elementwise operand
+    >>> rule = b.build([[rows, cols]] * 2, [[rows, cols]])
+    >>> rule.sizes, len(rule.operands), rule.reductions
+    ((8, 4), 2, ())
+    """
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
