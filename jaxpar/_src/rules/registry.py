@@ -62,14 +62,14 @@ def register_rule(*names: str, category: OpCategory | str = OpCategory.OTHER
     :class:`~jaxpar.JaxparWarning` says so.  Functions traced afterwards use the new rule.
 
     >>> import numpy as np
-    >>> @register_rule("my_matmul", category="contraction")
+    >>> @register_rule("doc_matmul", category="contraction")
     ... def _my_matmul(op):
     ...     b = RuleBuilder()
     ...     (m, k), (_, n) = op.in_shapes
     ...     fm, fk, fn = b.factor(m), b.factor(k), b.factor(n)
     ...     return b.build([[fm, fk], [fk, fn]], [[fm, fn]], reductions={fk: "sum"})
     >>> f32 = np.dtype("float32")
-    >>> rule_of(OpView("my_matmul", ((8, 16), (16, 4)), (f32, f32), ((8, 4),), (f32,), {})
+    >>> rule_of(OpView("doc_matmul", ((8, 16), (16, 4)), (f32, f32), ((8, 4),), (f32,), {})
     ...         ).category
     <OpCategory.CONTRACTION: 'contraction'>
     """
