@@ -200,15 +200,7 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
         if node.kind == "control":
             continue
         strat = strategies[node.id]
-        for i, operand in enumerate(node.inputs):
-            if isinstance(operand, Const):
-                continue
-            value = graph.values[operand]
-            producer = value.producer
-            src = strategies[producer].out_specs[value.index]
-            dst = strat.in_specs[i]
-            if src == dst or producer == node.id:
-                continue
+        for _, operand, _, dst in layout_changes(graph, strategies, node.id):
             changes.setdefault((operand, dst), []).append(node.id)
         own = model.op_collectives(strat, [graph.values[v].shape for v in node.outputs],
                                    [graph.values[v].dtype for v in node.outputs])
@@ -225,6 +217,23 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
         for c in model.redistribution(src, dst, value.shape, value.dtype):
             out.append(RawCollective(c, first, producer, vid, tuple(readers), w, region,
                                      False))
+    return out
+
+
+def layout_changes(graph: OpGraph, strategies: Mapping[int, OpStrategy], nid: int
+                   ) -> list[tuple[int, int, Spec, Spec]]:
+    """``(input index, value id, source layout, target layout)`` of every input of node ``nid``
+    whose producer's layout differs from the one the node reads it in (constants and a loop's
+    edge to itself left out)."""
+    out = []
+    reads = strategies[nid].in_specs
+    for i, operand in enumerate(graph.nodes[nid].inputs):
+        if isinstance(operand, Const):
+            continue
+        value = graph.values[operand]
+        src = strategies[value.producer].out_specs[value.index]
+        if src != reads[i] and value.producer != nid:
+            out.append((i, operand, src, reads[i]))
     return out
 
 

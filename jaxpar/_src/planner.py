@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from jaxpar._src.combine import layout_changes
 from jaxpar._src.context import ParallelMode, algo_parameters
 from jaxpar._src.cost import CostModel
 from jaxpar._src.errors import PlanError
-from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.plan_files import input_mismatch, structure_mismatch
 from jaxpar._src.rules import strategy_for_specs
@@ -111,15 +112,9 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
         own = model.op_collectives(strat, out_shapes,
                                    [graph.values[v].dtype for v in node.outputs])
         redists = []
-        for i, operand in enumerate(node.inputs):
-            if isinstance(operand, Const):
-                continue
+        for i, operand, src, dst in layout_changes(graph, strategies, node.id):
             value = graph.values[operand]
             producer = value.producer
-            src = strategies[producer].out_specs[value.index]
-            dst = strat.in_specs[i]
-            if src == dst or producer == node.id:
-                continue
             w = space.edge_weight(producer, node.id)
             colls = model.redistribution(src, dst, value.shape, value.dtype)
             redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
