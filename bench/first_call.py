@@ -182,6 +182,14 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     jax.block_until_ready(args)
     jax.monitoring.register_event_duration_secs_listener(listen)  # the first call's events
+    counts: dict[str, int] = {}
+
+    def count(event: str, **_: object) -> None:
+        if event.startswith("/jax/compilation_cache/cache_"):  # cache_hits, cache_misses
+            key = event.rsplit("/", 1)[-1]
+            counts[key] = counts.get(key, 0) + 1
+
+    jax.monitoring.register_event_listener(count)
     row: dict = {"kind": kind, "layers": layers}
     if kind == "jaxpar":
         jaxpar.config.update("plan_cache_dir", plan_dir)
@@ -218,6 +226,7 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
         jax.block_until_ready(jitted(*args))
         row.update(first_call_s=time.perf_counter() - t0)
     row.update(events)
+    row["xla_cache"] = counts
     return row
 
 
@@ -245,6 +254,8 @@ def first_call_rows(sizes: list[int]) -> list[dict]:
                        "jaxpar_s": ours["first_call_s"], "jit_s": jit["first_call_s"],
                        "ratio": ours["first_call_s"] / jit["first_call_s"],
                        "plan_cache_hit": ours["plan_cache_hit"],
+                       "xla_cache": ours.get("xla_cache", {}),
+                       "jit_xla_cache": jit.get("xla_cache", {}),
                        "phases": {k: ours.get(k, 0.0) for k in (
                            "trace_s", "plan_s", "jax_trace_s", "to_mlir_s", "xla_compile_s")},
                        "jit_phases": {k: jit.get(k, 0.0) for k in (
@@ -255,6 +266,10 @@ def first_call_rows(sizes: list[int]) -> list[dict]:
     return rows
 
 
+def _hits(counts: dict) -> str:
+    return f"{counts.get('cache_hits', 0)}/{counts.get('cache_misses', 0)}"
+
+
 def first_call_table(rows: list[dict]) -> list[str]:
     lines = ["## First call, fresh processes", "",
              "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel; jax.jit "
@@ -263,8 +278,9 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "phases: trace (its jaxpr and graph), plan (search, or plan cache), lower (JAX's "
              "trace of the evaluator + StableHLO), XLA compile; seconds.", "",
              "| layers | ops | run | jaxpar s | jax.jit s | ratio | run 2 / run 1 | plan cache | "
-             "trace | plan | lower | XLA compile | jit's XLA compile |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "trace | plan | lower | XLA compile | XLA cache hit/miss | jit's XLA compile | "
+             "jit's hit/miss |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
     first = {}
     for r in rows:
         if r["run"] == 1:
@@ -275,7 +291,8 @@ def first_call_table(rows: list[dict]) -> list[str]:
             f"| {r['layers']} | {r['ops']} | {r['run']} | {r['jaxpar_s']:.1f} | {r['jit_s']:.1f} "
             f"| {r['ratio']:.2f} | {again} | {'hit' if r['plan_cache_hit'] else 'miss'} | "
             f"{p['trace_s']:.1f} | {p['plan_s']:.1f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
-            f"{p['xla_compile_s']:.1f} | {j['xla_compile_s']:.1f} |")
+            f"{p['xla_compile_s']:.1f} | {_hits(r['xla_cache'])} | {j['xla_compile_s']:.1f} | "
+            f"{_hits(r['jit_xla_cache'])} |")
     return lines
 
 

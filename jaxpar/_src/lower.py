@@ -7,6 +7,13 @@ a constrained copy is made for it (that is the layout change the plan priced).  
 with ``lax.scan``/``lax.while_loop``/``lax.switch`` around the constrained bodies, their carries
 pinned to one layout on both ends.  XLA's SPMD partitioner then inserts the collectives.
 
+Inside a run of elementwise operators that all keep one layout, the constraints say nothing XLA
+would not infer: :func:`loose_values` finds the results whose producer and every reader are such
+operators, in that layout, and leaves them unconstrained (about half the results of a
+transformer's train step).  The run's ends stay constrained, so there is no other layout for XLA
+to pick; ``tests/test_lower.py`` checks that the compiled collectives are those of the fully
+constrained program.
+
 ::
 
     ShardingPlan ──► in/out NamedShardings ──► jax.jit(run, in_shardings, out_shardings)
@@ -29,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.rules.elementwise import BINARY, UNARY
 from jaxpar._src.spec import Spec
 
 
@@ -45,9 +53,49 @@ def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 
 
 def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
-                   constrain: bool = True) -> Callable[..., list[Any]]:
-    """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints."""
-    return _Evaluator(graph, plan, mesh, constrain).run
+                   constrain: bool = True, loose: bool = True) -> Callable[..., list[Any]]:
+    """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
+    (``loose=False``: on every result, :func:`loose_values` too)."""
+    return _Evaluator(graph, plan, mesh, constrain, loose).run
+
+
+# Primitives that lower to one elementwise HLO operation: a result in the layout of its
+# same-shaped operands is what XLA's propagation gives it anyway.
+_ELEMENTWISE = (frozenset(UNARY) | frozenset(BINARY) | {"select_n", "clamp"}) - {
+    "reshard", "mesh_cast"}
+
+
+def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
+    """Results that need no constraint: made by an elementwise operator whose operands all have
+    the result's shape and layout (scalar literals aside) with no layout change on the way, and
+    read only by such operators, in that layout.  Checkpoint bodies keep every constraint."""
+    def keeps_layout(node: Node) -> bool:
+        if node.kind is not NodeKind.OP or node.name not in _ELEMENTWISE or \
+                len(node.outputs) != 1 or node.remat is not None:
+            return False
+        d = plan.decisions[node.id]
+        spec, shape = d.out_specs[0], graph.values[node.outputs[0]].shape
+        for operand, read in zip(node.inputs, d.in_specs, strict=True):
+            if isinstance(operand, Const):
+                if operand.shape:
+                    return False
+                continue
+            v = graph.values[operand]
+            if v.shape != shape or read != spec or \
+                    plan.decisions[v.producer].out_specs[v.index] != spec:
+                return False
+        return True
+
+    inner = {n.id for n in graph.nodes if keeps_layout(n)}
+    loose = set()
+    for nid in inner:
+        vid = graph.nodes[nid].outputs[0]
+        spec = plan.decisions[nid].out_specs[0]
+        uses = graph.consumers[vid]
+        if uses and all(u.consumer in inner and
+                        plan.decisions[u.consumer].in_specs[u.in_index] == spec for u in uses):
+            loose.add(vid)
+    return frozenset(loose)
 
 
 def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[int],
@@ -56,18 +104,20 @@ def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[
     ``plan``'s constraints on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``): a piece of a
     program, such as one pipeline stage's layer inside ``shard_map`` (so the equations bind
     under the abstract mesh in force, not the one they were traced under)."""
-    evaluator = _Evaluator(graph, plan, mesh, constrain)
+    evaluator = _Evaluator(graph, plan, mesh, constrain, loose=False)
     evaluator.here = True
     evaluator.eval_seq(seq, env)
 
 
 class _Evaluator:
-    def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool) -> None:
+    def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool,
+                 loose: bool = True) -> None:
         self.graph = graph
         self.plan = plan
         self.mesh = mesh
         self.constrain_all = constrain
         self.here = False  # bind under the abstract mesh in force (evaluate_nodes)
+        self.loose = loose_values(graph, plan) if constrain and loose else frozenset()
         self._shardings: dict[Spec, NamedSharding] = {}
 
     # -- values -------------------------------------------------------------------------------
@@ -184,7 +234,7 @@ class _Evaluator:
         else:
             outs = bind_equation(node.eqn, invals, here=self.here)
         for vid, val, spec in zip(node.outputs, outs, d.out_specs, strict=True):
-            env[vid] = self.constrain(val, spec)
+            env[vid] = val if vid in self.loose else self.constrain(val, spec)
 
     def _enter(self, nid: int, env: dict, x: Any) -> None:
         node = self.graph.nodes[nid]
