@@ -51,6 +51,7 @@ class PipelineProgram:
     config: PipelineConfig
     mesh: Mesh
     sub_plan: ShardingPlan  # the micro-batch loss planned on the mesh without "pp"
+    sub_how: str  # how sub_plan was chosen, for explain()
     graph: OpGraph
     layers: LayerSequence
     rep: int  # the layer whose nodes every layer runs
@@ -127,7 +128,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     sub = sub_mesh(mesh, where)
     micro_args, rows = _micro_args(args, batch_argnums, M, where)
     sub_mode = mode if sub.devices.size > 1 else ParallelMode.STAND_ALONE
-    entry = _plan(fn, micro_args, batch_argnums, sub, sub_mode, search_mode, hardware)
+    entry, how = _plan(fn, micro_args, batch_argnums, sub, sub_mode, search_mode, hardware)
     program, plan = entry.program, entry.plan
     graph = program.graph
     n_leaves = len(graph.inputs)
@@ -178,7 +179,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         for i in range(split.counts[c]):
             slot_layer[c % S, c // S, i] = start + i
     return PipelineProgram(
-        next(_ids), config, mesh, plan, graph, layers, rep, split, schedule, forward,
+        next(_ids), config, mesh, plan, how, graph, layers, rep, split, schedule, forward,
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
@@ -215,8 +216,8 @@ def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, whe
 
 
 def _plan(fn: Callable, args: list[Any], batch_argnums: tuple[int, ...], mesh: Mesh,
-          mode: Any, search_mode: str, hardware: HardwareProfile) -> Any:
-    """The micro-batch loss planned on ``mesh`` (see the module docstring)."""
+          mode: Any, search_mode: str, hardware: HardwareProfile) -> tuple[Any, str]:
+    """The micro-batch loss planned on ``mesh`` (see the module docstring), and how."""
     from jaxpar._src.api import parallelize
     from jaxpar._src.context import ParallelMode, auto_parallel_context
 
@@ -236,10 +237,13 @@ def _plan(fn: Callable, args: list[Any], batch_argnums: tuple[int, ...], mesh: M
             fwd = parallelize(fn, mesh=mesh, parallel_mode="semi_auto_parallel",
                               in_strategy=strategy, hardware=hardware,
                               batch_argnums=batch_argnums)
+            how = (f"auto_parallel/{search_mode} searched the micro-batch's gradient step; "
+                   f"its input layouts, propagated through the loss, lay out the stage")
         else:
             fwd = parallelize(fn, mesh=mesh, parallel_mode=mode, search_mode=search_mode,
                               hardware=hardware, batch_argnums=batch_argnums)
-        return fwd.compiled_entry(*args)
+            how = f"{getattr(mode, 'value', mode)}/{search_mode}"
+        return fwd.compiled_entry(*args), how
 
 
 def _partition(graph: OpGraph, layers: LayerSequence, batch: frozenset[int]) -> dict:

@@ -34,6 +34,7 @@ class PipelinePlan:
         bubble fraction).
       split: layers per chunk and what they cost (:class:`StageSplit`).
       sub_plan: the micro-batch loss planned on the mesh without ``"pp"``.
+      sub_how: how ``sub_plan`` was chosen (in ``auto_parallel``: by the mode's search).
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
@@ -58,6 +59,7 @@ class PipelinePlan:
     unit_timeline: Timeline
     split: StageSplit
     sub_plan: Any
+    sub_how: str
     layers: int
     period: int
     marked: bool
@@ -80,6 +82,7 @@ class PipelinePlan:
             extra_first=split.prologue_s, extra_last=split.epilogue_s, tick_overhead=link)
         ls = program.layers
         return cls(program.config, sched, timeline, sched.timeline(), split, program.sub_plan,
+                   program.sub_how,
                    len(ls.layers), ls.period, ls.marked, len(program.pro_nodes),
                    len(program.epi_nodes), len(program.stacked), program.act_bytes,
                    program.micro_size)
@@ -113,8 +116,7 @@ class PipelinePlan:
                          + ("" if sp.fits else "; the memory estimate exceeds the budget"))
         lines.extend("    " + line for line in sp.stage_lines())
         inner = self.sub_plan
-        lines.append(f"  each stage on {inner.mesh}: {inner.parallel_mode}"
-                     f"{'/' + inner.search_mode if inner.search_mode != 'none' else ''} "
+        lines.append(f"  each stage on {inner.mesh}: {self.sub_how} "
                      f"(plan.pipeline.sub_plan.explain())")
         lines.append(
             f"  schedule: {s.num_ticks} ticks; bubble {self.timeline.bubble_fraction:.1%} under "
