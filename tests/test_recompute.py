@@ -165,3 +165,12 @@ def test_auto_choice_fits_every_budget_and_is_monotone(data, mesh):
     with _budget(0.3 * peak0), pytest.raises(jaxpar.PlanError,
                                              match=r"memory_per_device.*Raise memory_per_device"):
         f.plan(params, x)
+
+
+def test_auto_outside_a_choice_recomputes_nothing(data):
+    params, x = data
+    auto = jaxpar.recompute(block, policy="auto")
+    loss = lambda w, x: auto(w, x).sum()  # noqa: E731
+    assert "remat" not in str(jax.make_jaxpr(jax.grad(loss))(params[0], x))
+    full = jaxpar.recompute(block)
+    assert "remat" in str(jax.make_jaxpr(jax.grad(lambda w, x: full(w, x).sum()))(params[0], x))
