@@ -71,7 +71,7 @@ def test_numerics_equal_the_step_without_recomputation(data, compiled, policy):
 def test_recompute_lowers_compiled_temp_memory_and_raises_flops(compiled):
     none, full = compiled["none"][1], compiled["full"][1]
     temp = {p: jaxpar.inspect.memory(c)["temp"] for p, c in (("none", none), ("full", full))}
-    assert temp["full"] < 0.9 * temp["none"], temp  # measured: 0.80
+    assert temp["full"] < 0.8 * temp["none"], temp  # measured: 0.65
     assert jaxpar.inspect.flops(full) > 1.1 * jaxpar.inspect.flops(none)
     assert "recomputed in the backward pass" in compiled["full"][2].explain()
     assert "recomputed" not in compiled["none"][2].explain()
