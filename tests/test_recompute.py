@@ -156,6 +156,7 @@ def test_auto_choice_fits_every_budget_and_is_monotone(data, mesh):
             peak = jaxpar.inspect.memory(f.lower(params, x))["total"]
         assert peak <= budget, (fraction, peak, budget)
         assert f"recompute (auto, {LAYERS} blocks" in plan.explain()
+        assert plan.summary()["recompute"][0].startswith("recompute (auto")
         peaks.append(peak)
         chosen.append(tuple(n.rsplit(": ", 1)[1] for n in plan.notes
                             if n.startswith("recompute block")))
