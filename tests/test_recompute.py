@@ -175,3 +175,23 @@ def test_auto_outside_a_choice_recomputes_nothing(data):
     assert "remat" not in str(jax.make_jaxpr(jax.grad(loss))(params[0], x))
     full = jaxpar.recompute(block)
     assert "remat" in str(jax.make_jaxpr(jax.grad(lambda w, x: full(w, x).sum()))(params[0], x))
+
+
+def test_linen_module_class_is_rematerialized():
+    nn = pytest.importorskip("flax.linen")
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(jax.nn.gelu(nn.Dense(32)(x)))
+
+    x = jnp.ones((4, 8))
+    variables = Mlp().init(jax.random.key(0), x)
+    loss = lambda m: lambda v: (m.apply(v, x) ** 2).sum()  # noqa: E731
+    marked = jaxpar.recompute(Mlp)()
+    g_plain, g_marked = jax.grad(loss(Mlp()))(variables), jax.grad(loss(marked))(variables)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_marked), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert "remat" in str(jax.make_jaxpr(jax.grad(loss(marked)))(variables))
+    with pytest.raises(jaxpar.ContextError, match="pass its class"):
+        jaxpar.recompute(Mlp())
