@@ -66,6 +66,7 @@ from jaxpar._src.plan import ShardingPlan as ShardingPlan
 from jaxpar._src.ps.context import get_ps_context as get_ps_context
 from jaxpar._src.ps.context import reset_ps_context as reset_ps_context
 from jaxpar._src.ps.context import set_ps_context as set_ps_context
+from jaxpar._src.recompute import recompute as recompute
 from jaxpar._src.report.build import Report as Report
 from jaxpar._src.report.diff import PlanDiff as PlanDiff
 from jaxpar._src.rules import OpCategory as OpCategory
@@ -115,5 +116,6 @@ __all__ = [
     "set_seed", "shard",
     "PlanDiff", "Report",  # plan reports
     "PipelineCell", "PipelinePlan", "PipelineSchedule", "Timeline", "pipeline_stage",
+    "recompute",
     "config",  # process-wide settings: plan_cache_dir
 ]

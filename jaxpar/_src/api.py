@@ -29,6 +29,8 @@ from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile, resolve_hardware
 from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
+from jaxpar._src.inspection import flops as inspect_flops
+from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
@@ -38,6 +40,16 @@ from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import load_cached, plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
+from jaxpar._src.recompute import choosing
+from jaxpar._src.recompute_choice import (
+    Rung,
+    choose,
+    cpu_memory_scheduler,
+    explain_choice,
+    ladder,
+    refusal,
+    remat_notes,
+)
 from jaxpar._src.report.context import remember
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
@@ -103,6 +115,7 @@ class Parallelized:
         self._cache: dict[Any, Compiled] = {}
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
         self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
+        self._rungs: dict[Any, Rung] = {}  # recompute choices planned and compiled
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,12 +245,55 @@ class Parallelized:
             check_save_path(settings.ckpt_save, f"{info.api}: strategy_ckpt_save_file")
         names = info.arg_names(len(args))
         mesh = settings.mesh
+        program, batch, layers = self._trace(args, settings, names, None)
+        t1 = time.perf_counter()
+        settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
+        # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
+        cache_dir = config.plan_cache_dir
+        key = plan = None
+        if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
+            # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py)
+            program, batch, plan = self._recompute_choice(args, settings, names, signature,
+                                                          layers)
+            cache_dir = None
+        elif cache_dir and not settings.ckpt_load and \
+                settings.mode is not ParallelMode.STAND_ALONE:
+            key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
+                                 out_tree=program.out_tree, signature=signature,
+                                 settings=settings, info=info)
+            plan = load_cached(cache_dir, key, program.graph, api=info.api)
+        if plan is None:
+            plan = self._plan(args, program, settings, names, batch)
+            plan = dataclasses.replace(plan, notes=plan.notes + remat_notes(program.graph))
+            if key is not None and cache_dir:
+                store_cached(cache_dir, key, plan, api=info.api)
+        plan = attach_pipeline(plan, program.graph)  # from the graph: also for a cached plan
+        if settings.ckpt_save:
+            plan.save(settings.ckpt_save)
+        t2 = time.perf_counter()
+        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                     for n in program.graph.inputs]
+        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
+        return Compiled(program, plan, settings, jitted, flat_in,
+                        {"trace": t1 - t0, "search": t2 - t1})
+
+    def _trace(self, args: tuple, settings: Settings, names: list[str],
+               policies: tuple[str, ...] | None
+               ) -> tuple[TracedProgram, tuple[int, ...] | None, list[str]]:
+        """The traced program (its ``jaxpar.recompute(policy="auto")`` blocks given
+        ``policies``), the batch arguments where the mode needs them, and the auto blocks."""
+        info = self._info
         trace_mesh = self._trace_mesh(settings)
         pipelining = pipeline_tracing.pipelining(pipeline_tracing.Tracing(
-            settings.pipeline, mesh, settings.mode, settings.search_mode, settings.hardware))
-        with tracing_with(mesh, trace_mesh), pipelining:
+            settings.pipeline, settings.mesh, settings.mode, settings.search_mode,
+            settings.hardware))
+        # A fresh function object each time: JAX's trace cache would otherwise serve an
+        # earlier trace, whose recompute(policy="auto") blocks this one would not see.
+        fresh = functools.wraps(info.fn)(lambda *a, **k: info.fn(*a, **k))
+        with tracing_with(settings.mesh, trace_mesh), pipelining, choosing(policies) as auto:
             try:
-                program = trace(info.fn, args, static_argnums=info.static_argnums,
+                program = trace(fresh, args, static_argnums=info.static_argnums,
                                 arg_names=names)
             except ValueError as e:
                 if "is not found in mesh" not in str(e):  # JAX's words for an unknown axis
@@ -252,30 +308,55 @@ class Parallelized:
                     settings.mode is not ParallelMode.STAND_ALONE
                     and settings.dataset_strategy != "data_parallel"):
                 batch = self._batch(args, program, names)
-        t1 = time.perf_counter()
-        settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
-        # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
-        cache_dir = config.plan_cache_dir
-        key = plan = None
-        if cache_dir and not settings.ckpt_load and settings.mode is not ParallelMode.STAND_ALONE:
-            key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
-                                 out_tree=program.out_tree, signature=signature,
-                                 settings=settings, info=info)
-            plan = load_cached(cache_dir, key, program.graph, api=info.api)
-        if plan is None:
-            plan = self._plan(args, program, settings, names, batch)
-            if key is not None and cache_dir:
-                store_cached(cache_dir, key, plan, api=info.api)
-        plan = attach_pipeline(plan, program.graph)  # from the graph: also for a cached plan
-        if settings.ckpt_save:
-            plan.save(settings.ckpt_save)
-        t2 = time.perf_counter()
-        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                     for n in program.graph.inputs]
-        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
-        return Compiled(program, plan, settings, jitted, flat_in,
-                        {"trace": t1 - t0, "search": t2 - t1})
+        return program, batch, auto.seen
+
+    def _recompute_choice(self, args: tuple, settings: Settings, names: list[str],
+                          signature: tuple, layers: list[str]
+                          ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan]:
+        """The first rung of the recompute ladder whose compiled peak fits the budget."""
+        info = self._info
+        budget = float(settings.hardware.memory_per_device or 0.0)  # filled from the preset
+        free = dataclasses.replace(settings, hardware=dataclasses.replace(
+            settings.hardware, memory_per_device=float("inf")))
+
+        def rung(policies: tuple[str, ...], within: Settings = free) -> Rung:
+            key = (signature, within, policies)
+            if key not in self._rungs:
+                program, batch, seen = self._trace(args, settings, names, policies)
+                if len(seen) != len(layers):
+                    raise PlanError(
+                        f"{info.api}: tracing again with chosen recompute policies met "
+                        f"{len(seen)} jaxpar.recompute(policy='auto') blocks instead of "
+                        f"{len(layers)}; a jax.jit around them caches its first trace. Put "
+                        f"the blocks outside nested jits, or give them fixed policies.")
+                plan = self._plan(args, program, within, names, batch)
+                plan = dataclasses.replace(plan, memory_budget=budget)
+                in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                             for n in program.graph.inputs]
+                arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+                jitted, _ = self._jit(program, plan, settings.mesh, settings, arrivals,
+                                      signature)
+                compiled = jitted.lower(*args).compile()
+                self._rungs[key] = Rung(policies, program, batch, plan,
+                                        float(inspect_memory(compiled)["total"]),
+                                        inspect_flops(compiled))
+            return self._rungs[key]
+
+        chosen, tried = choose(layers, budget, rung)
+        fallback = chosen is None
+        if chosen is None:  # the search's own lever: memory priced in, all blocks full
+            try:
+                chosen = rung(ladder(len(layers))[-1], settings)
+            except PlanError as e:
+                if "no plan fits the memory budget" not in str(e):
+                    raise
+                raise refusal(info.api, layers, budget, tried[-1].compiled_bytes) from None
+            if chosen.compiled_bytes > budget:
+                raise refusal(info.api, layers, budget, chosen.compiled_bytes)
+        notes = explain_choice(layers, budget, chosen, tried, fallback=fallback)
+        plan = dataclasses.replace(chosen.plan, notes=chosen.plan.notes + notes
+                                   + remat_notes(chosen.program.graph))
+        return chosen.program, chosen.batch, plan
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None) -> ShardingPlan:
@@ -368,7 +449,9 @@ class Parallelized:
         in_shardings = tuple(jax.tree.unflatten(in_tree, flat_in))
         out_shardings = jax.tree.unflatten(out_tree, flat_out)
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
-                         static_argnums=info.static_argnums, donate_argnums=info.donate_argnums)
+                         static_argnums=info.static_argnums, donate_argnums=info.donate_argnums,
+                         compiler_options=cpu_memory_scheduler(
+                             mesh.devices.flat[0].platform, graph))
         return jitted, flat_in
 
 
