@@ -8,9 +8,14 @@ argument, are not waited for: they follow their consumers).  Each node takes, am
 candidate strategies, the one that is cheapest against all of its neighbours decided so far,
 compared in this order:
 
-1. the communication time of the layout changes on those edges (zero first);
+1. the communication time of the layout changes on those edges plus the node's own (its
+   partial sums to combine): zero first.  MindSpore compares the edges alone and the node's own
+   communication only to break ties; then a matmul whose weight is split on the contraction
+   dimension (FSDP's layout) takes the contraction split and all-reduces whole activations,
+   where XLA's own propagation all-gathers the weight (issue 11: 2.5x the bytes, 2x the
+   memory on a GPT train step);
 2. the number of edges whose layouts still differ (an exact match beats a free local slice);
-3. the node's own communication (partial sums to combine);
+3. the node's own communication (partial sums to combine), again;
 4. the number of mesh axes it uses (follow the neighbours; never invent new splits);
 5. its per-device FLOPs, then the candidate order (deterministic).
 
@@ -183,6 +188,8 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
                     t = memo[(k, mine)] = space.edge_time(e.producer, e.out_index, src,
                                                           e.consumer, dst)
                 comm += t
+        if cand.partial:  # its own all-reduce of partial sums is paid on the same wire
+            comm += space.op_cost(v, cand).comm_time
         scored.append((round(comm, 15), mismatches, index))
     best_edge = min(scored)[:2]
     # Only candidates tied on the edges need their own costs (the expensive part).
