@@ -31,6 +31,7 @@ from jaxpar._src.hardware import HardwareProfile, resolve_hardware
 from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
+from jaxpar._src.optimizer_parallel import OptimizerParallel, optimizer_pins
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
@@ -59,6 +60,7 @@ class Settings:
     ckpt_save: str  # strategy_ckpt_save_file
     dataset_strategy: str | tuple = "data_parallel"  # how batch arguments arrive
     pipeline: Any = None  # PipelineSettings: stages, micro-batches, schedule
+    optimizer: Any = None  # OptimizerParallel (enable_parallel_optimizer), else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -186,7 +188,9 @@ class Parallelized:
         return Settings(mode, search, mesh, hardware, algo_parameters(),
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
                         ctx.dataset_strategy,
-                        pipeline_settings(ctx, info.micro_batches, info.api))
+                        pipeline_settings(ctx, info.micro_batches, info.api),
+                        None if mode is ParallelMode.STAND_ALONE
+                        else OptimizerParallel.from_context(ctx))
 
     def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
         """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
@@ -290,6 +294,9 @@ class Parallelized:
         if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
                 settings.dataset_strategy == "data_parallel":
             pins = self._data_parallel_default(args, program, space, names)
+        if settings.optimizer is not None:  # ZeRO: the state split over data parallel
+            pins = optimizer_pins(settings.optimizer, program, args, info.static_argnums,
+                                  space, pins, api=info.api)
         ties = state_ties(program, args, info.static_argnums)
         if settings.ckpt_load:
             decision = load_strategies(settings.ckpt_load, space, api=info.api)
