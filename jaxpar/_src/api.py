@@ -291,9 +291,11 @@ class Parallelized:
         space = SearchSpace(program.graph, model)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
                            dataset_strategy=settings.dataset_strategy, batch=batch)
-        if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
-                settings.dataset_strategy == "data_parallel":
-            pins = self._data_parallel_default(args, program, space, names)
+        if settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
+                settings.dataset_strategy == "data_parallel" and (not pins or (
+                    settings.optimizer is not None  # only level 2's gradient constraints
+                    and not any(p.node in program.graph.inputs for p in pins))):
+            pins = pins + self._data_parallel_default(args, program, space, names)
         if settings.optimizer is not None:  # ZeRO: the state split over data parallel
             pins = optimizer_pins(settings.optimizer, program, args, info.static_argnums,
                                   space, pins, api=info.api)

@@ -13,8 +13,9 @@ otherwise hold identical copies (MindSpore: the parameter's "repeated" devices):
 
 Nothing else changes: the layouts are pins like any user strategy, and XLA's SPMD partitioner
 inserts the collectives, as MaxText and Levanter do with their ``fsdp`` axis.  The update runs on
-each device's slice; the gradient reaches it by reduce-scatter (XLA:GPU/TPU's
-``ReduceScatterCreator``; XLA:CPU keeps an all-reduce followed by a local slice) and the
+each device's slice; the gradient reaches it by reduce-scatter on GPU (XLA's GPU pass
+``xla/service/gpu/transforms/reduce_scatter_creator.cc`` turns an all-reduce followed by a
+slice into one; XLA:CPU has no such pass and keeps the all-reduce and a local slice) and the
 updated parameters are all-gathered (levels 1-2) or stay split (level 3).  ZeRO's paper
 (Rajbhandari et al., 2020, section 7) gives the communication per step: ``2Ψ`` for levels 1-2,
 as data parallel's all-reduce, and ``3Ψ`` for level 3.
@@ -269,3 +270,27 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
             else:
                 out[j] = new
     return out
+
+
+def shard_gradients(grads: Any, opt: OptimizerParallel | None) -> Any:
+    """``grads`` constrained to level 2's layout (dimension 0 over every axis of the mesh being
+    planned, as :func:`optimizer_pins` splits the state they update), so each device keeps
+    only its slice of every gradient and XLA reduce-scatters them where they are made.
+    Unchanged outside ``parallelize``'s tracing or below level 2."""
+    from jaxpar._src.tracing_state import tracing_mesh
+
+    mesh = tracing_mesh()
+    if opt is None or not opt.shards_gradients or mesh is None or mesh.size == 1:
+        return grads
+    shape = MeshShape.of(mesh)
+
+    def constrain(g: Any) -> Any:
+        if not hasattr(g, "shape"):
+            return g
+        axes = opt.split_axes(g.shape, g.dtype, Spec.replicated(g.ndim), shape.names, shape)
+        if not axes:
+            return g
+        return jax.lax.with_sharding_constraint(g, Spec((axes,) + ((),) * (g.ndim - 1))
+                                                .to_partition_spec())
+
+    return jax.tree.map(constrain, grads)
