@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Eight groups of tables, all in one run:
+itself costs.  Nine groups of tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -19,6 +19,9 @@ itself costs.  Eight groups of tables, all in one run:
    compile.
 8. **pipeline schedules** (``bench/pipeline.py``): for S=4 stages and M=16 micro-batches, each
    schedule's compiled temporaries, ticks, bubble fraction and collective-permutes.
+9. **parallel optimizer** (``bench/zero.py``): memory per device (compiled and predicted) and
+   collectives of a GPT train step at each ZeRO level, beside ``jax.jit`` with level 3's
+   shardings.
 
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
 measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
@@ -417,6 +420,9 @@ def main() -> None:
     import pipeline  # bench/pipeline.py: the pipeline schedules side by side
 
     pipe = pipeline.main(["--quick"] if args.quick else [])
+    import zero  # bench/zero.py: memory and communication vs ZeRO level
+
+    zero_levels = zero.main(["--quick"] if args.quick else [])
     mesh3 = mesh3_rows()
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
@@ -425,7 +431,8 @@ def main() -> None:
             f"{jax.devices()[0].platform}"}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
-                   "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt, **pipe},
+                   "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt, **pipe,
+                   **zero_levels},
                   f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
@@ -433,7 +440,8 @@ def main() -> None:
                   speed_table(speeds), mesh3_table(mesh3), report_table(reports),
                   checkpoint.load_table(ckpt["checkpoint_loads"]),
                   checkpoint.infer_table(ckpt["infer"]),
-                  pipeline.table(pipe["pipeline_schedules"])):
+                  pipeline.table(pipe["pipeline_schedules"]),
+                  zero.table(zero_levels["zero_levels"])):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))
