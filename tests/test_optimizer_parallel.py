@@ -196,3 +196,27 @@ def test_context_validates_the_config():
             jaxpar.set_auto_parallel_context(parallel_optimizer_config=bad)
     with pytest.raises(jaxpar.ContextError):
         jaxpar.set_auto_parallel_context(enable_parallel_optimizer="yes")
+
+
+def test_auto_level_is_the_least_communication_that_fits():
+    """``"optimizer_level": "auto"``: off (data parallel) while it fits the memory budget, then
+    level 1, then level 3; each chosen plan's predicted peak is under its budget."""
+    step, args = _problem()
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+
+    def plan(budget, **config):
+        with jaxpar.auto_parallel_context(**config):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel",
+                                   hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+            return f.plan(*args)
+
+    peaks = {level: plan(1e12, **_zero(level, parallel_optimizer_threshold=0)).memory_bytes
+             for level in (0, 1, 3)}
+    assert peaks[0] > peaks[1] > peaks[3]
+    auto = _zero(1, parallel_optimizer_threshold=0)
+    auto["parallel_optimizer_config"]["optimizer_level"] = "auto"
+    for budget, chosen in ((peaks[0], "off"), ((peaks[0] + peaks[1]) / 2, "level1"),
+                           ((peaks[1] + peaks[3]) / 2, "level3")):
+        p = plan(budget, **auto)
+        assert f"parallel optimizer: {chosen} chosen" in p.notes[-1], p.notes
+        assert p.memory_bytes <= budget

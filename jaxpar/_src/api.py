@@ -31,7 +31,7 @@ from jaxpar._src.hardware import HardwareProfile, resolve_hardware
 from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
-from jaxpar._src.optimizer_parallel import OptimizerParallel, optimizer_pins
+from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
@@ -284,7 +284,18 @@ class Parallelized:
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None) -> ShardingPlan:
         """The plan of ``program``: pins gathered, strategies searched (or loaded from the
-        strategy file), every node and edge priced."""
+        strategy file), every node and edge priced; with ``"optimizer_level": "auto"``, the
+        ZeRO level that fits the memory budget (``choose_level``)."""
+        opt = settings.optimizer
+        if opt is None or not opt.automatic:
+            return self._plan_once(args, program, settings, names, batch)
+        return choose_level(
+            lambda o: self._plan_once(args, program, dataclasses.replace(settings, optimizer=o),
+                                      names, batch),
+            opt, float(settings.hardware.memory_per_device or 0.0))
+
+    def _plan_once(self, args: tuple, program: TracedProgram, settings: Settings,
+                   names: list[str], batch: tuple[int, ...] | None) -> ShardingPlan:
         info = self._info
         mesh = settings.mesh
         model = CostModel(MeshShape.of(mesh), settings.hardware)

@@ -46,7 +46,7 @@ import numpy as np
 from jaxpar._src.errors import ContextError
 from jaxpar._src.spec import MeshShape, Spec
 
-LEVELS = {"level1": 1, "level2": 2, "level3": 3}
+LEVELS = {"level1": 1, "level2": 2, "level3": 3, "auto": 0}  # "auto": beyond MindSpore
 KEYS = ("optimizer_level", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
         "gradient_accumulation_shard")
 
@@ -56,7 +56,10 @@ class OptimizerParallel:
     """What the parallel optimizer splits (MindSpore's ``parallel_optimizer_config``).
 
     Attributes:
-      level: 1 (optimizer state), 2 (+ gradients), 3 (+ parameters: FSDP).
+      level: 1 (optimizer state), 2 (+ gradients), 3 (+ parameters: FSDP); 0 for
+        ``"optimizer_level": "auto"`` (jaxpar's, not MindSpore's): the least communication
+        whose predicted peak memory fits ``HardwareProfile.memory_per_device`` (see
+        :func:`choose_level`).
       threshold_kb: arrays smaller than this many KB stay whole (MindSpore's default 64).
       shard_size: devices one array is split over; ``-1``: the whole data-parallel group.
       accumulation_shard: gradients kept split (MindSpore's ``gradient_accumulation_shard``:
@@ -97,6 +100,10 @@ class OptimizerParallel:
         if not ctx.enable_parallel_optimizer:
             return None
         return cls.from_options(dict(ctx.parallel_optimizer_config))
+
+    @property
+    def automatic(self) -> bool:
+        return self.level == 0
 
     @property
     def shards_gradients(self) -> bool:
@@ -294,3 +301,41 @@ def shard_gradients(grads: Any, opt: OptimizerParallel | None) -> Any:
                                                 .to_partition_spec())
 
     return jax.tree.map(constrain, grads)
+
+
+def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
+    """``"optimizer_level": "auto"``: the plan of the least-communication setting whose
+    predicted peak memory per device (``plan.memory_bytes``) fits ``budget``, trying the
+    parallel optimizer off (data parallel's 2Ψ), then level 1 (2Ψ on GPUs, one more
+    all-gather on CPU) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
+    adds nothing to level 1 in a function's own step (its gradients are temporaries the plan
+    already splits where the optimizer state needs them).  The choice is a note of the plan.
+    In ``auto_parallel`` the search itself fits the budget where it can (splitting the state
+    over any axis), so a level is taken only where the searched plan alone does not fit.
+
+    ``plan_for(setting)`` plans with ``setting`` (``None``: off)."""
+    from jaxpar._src.errors import PlanError
+
+    tried: list[tuple[OptimizerParallel | None, Any]] = []
+    refused: PlanError | None = None
+    for setting in (None, dataclasses.replace(opt, level=1), dataclasses.replace(opt, level=3)):
+        try:  # an automatic search refuses a plan that does not fit by itself
+            plan = plan_for(setting)
+        except PlanError as e:
+            refused = e
+            continue
+        tried.append((setting, plan))
+        if plan.memory_bytes <= budget:
+            break
+    else:
+        if not tried:
+            assert refused is not None
+            raise refused
+        setting, plan = min(tried, key=lambda t: t[1].memory_bytes)
+    mib = 2.0**20
+    name = "off" if setting is None else f"level{setting.level}"
+    note = (f"parallel optimizer: {name} chosen ({plan.memory_bytes / mib:.1f} MiB "
+            f"predicted per device, budget {budget / mib:.1f} MiB; tried "
+            + ", ".join(f"{'off' if s is None else f'level{s.level}'} "
+                        f"{p.memory_bytes / mib:.1f} MiB" for s, p in tried) + ")")
+    return dataclasses.replace(plan, notes=plan.notes + (note,))
