@@ -25,7 +25,7 @@ def _fsdp(a) -> P:
 
 def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
     mesh = jaxpar.make_mesh((8,), ("dp",))
-    params, x = models.init_block(jax.random.key(0), batch=8, seq=16, d=64, ff=256)
+    params, x = models.init_block(jax.random.key(0), batch=8, seq=8, d=32, ff=64)
     tx = optax.adam(1e-3)
     opt_state = tx.init(params)
 
@@ -53,5 +53,5 @@ def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
     assert ours_m["total"] <= 1.03 * theirs_m["total"], (ours_m, theirs_m)
     # The weights are gathered for use, not their activations all-reduced: no all-reduce
     # carries an activation (batch x seq x features) here.
-    assert not [r for r in ours_c.of("all-reduce") if "[8,16," in " ".join(r.shapes)], \
+    assert not [r for r in ours_c.of("all-reduce") if "[8,8," in " ".join(r.shapes)], \
         ours_c.table()
