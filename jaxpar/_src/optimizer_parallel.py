@@ -182,6 +182,11 @@ def state_roles(args: Sequence[Any], state_args: Sequence[int], static: Sequence
     >>> p = {"w": jnp.ones((4, 2))}
     >>> state_roles((p, optax.adam(0.1).init(p), jnp.ones(3)), (0, 1), ())
     ['param', 'state', 'optimizer', 'optimizer', 'data']
+    >>> layers = {"l1": {"w": jnp.ones(2)}, "l2": {"w": jnp.ones(2)}}  # equal layers, no moments
+    >>> state_roles((layers,), (0,), ())
+    ['state', 'state']
+    >>> state_roles((layers, optax.sgd(0.1, momentum=0.9).init(layers)), (0, 1), ())
+    ['param', 'param', 'optimizer', 'optimizer']
     """
     offsets, n = {}, 0
     for i, a in enumerate(args):
@@ -194,34 +199,37 @@ def state_roles(args: Sequence[Any], state_args: Sequence[int], static: Sequence
         for j in range(len(jax.tree.leaves(args[i]))):
             roles[offsets[i] + j] = "state"
     # Every subtree of the state, by its structure and shapes, in argument (flatten) order.
-    groups: dict[Any, list[tuple[int, int]]] = {}
+    groups: dict[Any, list[tuple[int, int, tuple[int, ...]]]] = {}
     for i in sorted(state_args):
-        _subtrees(args[i], offsets[i], groups)
-    for spans in groups.values():
-        if len(spans) < 2:
+        _subtrees(args[i], offsets[i], (i,), groups)
+    # The largest groups first: the parameters and their moments, before the equal layers
+    # inside them.  Two equal siblings (layers of one model, both under the same node) are
+    # not parameters and a moment: such a group is no evidence.
+    for spans in sorted(groups.values(), key=lambda g: -g[0][1]):
+        if len(spans) < 2 or (len(spans[0][2]) > 1 and spans[0][2][:-1] == spans[1][2][:-1]):
             continue
-        for s, (start, size) in enumerate(spans):
+        for s, (start, size, _) in enumerate(spans):
             for k in range(start, start + size):
                 if roles[k] == "state":
                     roles[k] = "param" if s == 0 else "optimizer"
     return roles
 
 
-def _subtrees(tree: Any, offset: int, groups: dict[Any, list[tuple[int, int]]]) -> int:
+def _subtrees(tree: Any, offset: int, path: tuple[int, ...],
+              groups: dict[Any, list[tuple[int, int, tuple[int, ...]]]]) -> int:
     """Records every subtree of ``tree`` that holds arrays and is not one bare array under
-    its signature, as ``(first leaf, leaves)``; returns the number of leaves."""
+    its signature, as ``(first leaf, leaves, path)``; returns the number of leaves."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves or leaves[0] is tree:
         return len(leaves)
     sig = (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
                           for x in leaves))
-    span = (offset, len(leaves))
     spans = groups.setdefault(sig, [])
-    if span not in spans:
-        spans.append(span)
+    if not any(s[0] == offset for s in spans):
+        spans.append((offset, len(leaves), path))
     n = offset
-    for child in _children(tree):
-        n += _subtrees(child, n, groups)
+    for c, child in enumerate(_children(tree)):
+        n += _subtrees(child, n, path + (c,), groups)
     return len(leaves)
 
 
