@@ -177,6 +177,13 @@ def test_model_level2_splits_the_gradients():
                 state = (params, {}, model.optimizer.init(params), ())
                 plan = model._train_step(state, (x, y)).plan(state, x, y)
     np.testing.assert_allclose(losses[2], losses[0], rtol=1e-5)
+    # data_parallel: the step goes through parallelize (not per replica) with its state split
+    with jaxpar.auto_parallel_context(parallel_mode="data_parallel",
+                                      **_zero(1, parallel_optimizer_threshold=0)):
+        model = jaxpar.Model((params, apply), mse, optax.adam(1e-2, eps=1e-3))
+        model.train(2, [(x, y)])
+        assert isinstance(model._train_step(state, (x, y)), jaxpar.Parallelized)
+    np.testing.assert_allclose(model.history, losses[0], rtol=1e-5)
     grads = [d for d in plan.decisions if d.name == "sharding_constraint"]
     mesh = plan.mesh
     assert sorted(d.out_shapes[0] for d in grads) == [(D, H), (H,), (H, D)]
