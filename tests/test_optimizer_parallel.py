@@ -234,3 +234,15 @@ def test_auto_level_is_the_least_communication_that_fits():
         p = plan(budget, **auto)
         assert f"parallel optimizer: {chosen} chosen" in p.notes[-1], p.notes
         assert p.memory_bytes <= budget
+
+
+def test_auto_parallel_search_keeps_the_split_state():
+    """In ``auto_parallel`` the levels are pins the search plans around: at level 3 every
+    parameter and moment holds 1/8 per device, whatever the search does with the rest."""
+    step, args = _problem()
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    with jaxpar.auto_parallel_context(**_zero(3, parallel_optimizer_threshold=0)):
+        plan = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel").plan(*args)
+    for name, spec in plan.input_layouts().items():
+        if name.startswith(("params.", "opt_state.0.mu.", "opt_state.0.nu.")):
+            assert spec == P(("dp", "mp")), (name, spec)
