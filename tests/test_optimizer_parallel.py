@@ -117,7 +117,8 @@ def test_numerics_equal_data_parallel_and_one_device(compiled_levels):
 def test_collectives_gather_the_split_parameters(compiled_levels):
     """Levels 1-2 all-gather the updated parameters once (Ψ bytes); level 3 gathers them for
     use; plain data parallel gathers nothing.  The gradient all-reduce stays full size on
-    XLA:CPU (no reduce-scatter creator pass there); on GPU it becomes a reduce-scatter."""
+    XLA:CPU (no reduce-scatter creator pass there; XLA:GPU's pass would make it one, not
+    checked here)."""
     args, out, _ = compiled_levels
     psi = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
     for level, (compiled, _) in out.items():
