@@ -1,5 +1,5 @@
 """``make bench``: what jaxpar's plans make XLA do, how good the searches are, and what jaxpar
-itself costs.  Nine groups of tables, all in one run:
+itself costs.  Ten groups of tables, all in one run:
 
 1. **programs**: for an MLP and GPT-style train steps in data-parallel, semi-automatic and
    automatic modes: jaxpar's own time (trace + plan + lower) beside XLA's compile time of the
@@ -21,6 +21,9 @@ itself costs.  Nine groups of tables, all in one run:
    schedule's compiled temporaries, ticks, bubble fraction and collective-permutes.
 9. **recompute** (``bench/recompute.py``): a GPT train step's memory per device, predicted
    beside ``memory_analysis()``, against the recompute policy (none, dots, full, auto).
+10. **parallel optimizer** (``bench/zero.py``): memory per device (compiled and predicted) and
+    collectives of a GPT train step at each ZeRO level, beside ``jax.jit`` with level 3's
+    shardings.
 
 Results go to ``bench/results/results.json`` and ``bench/results/results.md``.  Then the
 measurement sections, each its own script and files: ``bench/clock.py`` (the calibrated
@@ -422,6 +425,9 @@ def main() -> None:
     import recompute  # bench/recompute.py: memory per device against the recompute policy
 
     remat = recompute.main(["--quick"] if args.quick else [])
+    import zero  # bench/zero.py: memory and communication vs ZeRO level
+
+    zero_levels = zero.main(["--quick"] if args.quick else [])
     mesh3 = mesh3_rows()
     os.makedirs(args.out, exist_ok=True)
     meta = {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "python":
@@ -431,7 +437,7 @@ def main() -> None:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
                    "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt, **pipe,
-                   **remat},
+                   **remat, **zero_levels},
                   f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
@@ -440,7 +446,8 @@ def main() -> None:
                   checkpoint.load_table(ckpt["checkpoint_loads"]),
                   checkpoint.infer_table(ckpt["infer"]),
                   pipeline.table(pipe["pipeline_schedules"]),
-                  recompute.table(remat["recompute_policies"])):
+                  recompute.table(remat["recompute_policies"]),
+                  zero.table(zero_levels["zero_levels"])):
         lines += table + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

@@ -56,6 +56,7 @@ from jaxpar._src.launch.comm import get_rank as get_rank
 from jaxpar._src.launch.comm import init as init
 from jaxpar._src.layout import Layout as Layout
 from jaxpar._src.mesh import make_mesh as make_mesh
+from jaxpar._src.optimizer_parallel import OptimizerParallel as OptimizerParallel
 from jaxpar._src.pipeline.cell import PipelineCell as PipelineCell
 from jaxpar._src.pipeline.markers import pipeline_stage as pipeline_stage
 from jaxpar._src.pipeline.report import PipelinePlan as PipelinePlan
@@ -118,4 +119,5 @@ __all__ = [
     "PipelineCell", "PipelinePlan", "PipelineSchedule", "Timeline", "pipeline_stage",
     "recompute",
     "config",  # process-wide settings: plan_cache_dir
+    "OptimizerParallel",  # ZeRO 1/2/3 (enable_parallel_optimizer)
 ]

@@ -33,6 +33,7 @@ from jaxpar._src.inspection import flops as inspect_flops
 from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
+from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
@@ -71,6 +72,7 @@ class Settings:
     ckpt_save: str  # strategy_ckpt_save_file
     dataset_strategy: str | tuple = "data_parallel"  # how batch arguments arrive
     pipeline: Any = None  # PipelineSettings: stages, micro-batches, schedule
+    optimizer: Any = None  # OptimizerParallel (enable_parallel_optimizer), else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,7 +201,9 @@ class Parallelized:
         return Settings(mode, search, mesh, hardware, algo_parameters(),
                         str(ctx.strategy_ckpt_load_file), str(ctx.strategy_ckpt_save_file),
                         ctx.dataset_strategy,
-                        pipeline_settings(ctx, info.micro_batches, info.api))
+                        pipeline_settings(ctx, info.micro_batches, info.api),
+                        None if mode is ParallelMode.STAND_ALONE
+                        else OptimizerParallel.from_context(ctx))
 
     def _strategy_mesh(self, ctx: Any, mode: ParallelMode, args: tuple) -> Mesh | None:
         """MindSpore's device matrix when no mesh is given: one mesh from every strategy of the
@@ -361,16 +365,32 @@ class Parallelized:
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None) -> ShardingPlan:
         """The plan of ``program``: pins gathered, strategies searched (or loaded from the
-        strategy file), every node and edge priced."""
+        strategy file), every node and edge priced; with ``"optimizer_level": "auto"``, the
+        ZeRO level that fits the memory budget (``choose_level``)."""
+        opt = settings.optimizer
+        if opt is None or not opt.automatic:
+            return self._plan_once(args, program, settings, names, batch)
+        return choose_level(
+            lambda o: self._plan_once(args, program, dataclasses.replace(settings, optimizer=o),
+                                      names, batch),
+            opt, float(settings.hardware.memory_per_device or 0.0))
+
+    def _plan_once(self, args: tuple, program: TracedProgram, settings: Settings,
+                   names: list[str], batch: tuple[int, ...] | None) -> ShardingPlan:
         info = self._info
         mesh = settings.mesh
         model = CostModel(MeshShape.of(mesh), settings.hardware)
         space = SearchSpace(program.graph, model)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
                            dataset_strategy=settings.dataset_strategy, batch=batch)
-        if not pins and settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
-                settings.dataset_strategy == "data_parallel":
-            pins = self._data_parallel_default(args, program, space, names)
+        if settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
+                settings.dataset_strategy == "data_parallel" and (not pins or (
+                    settings.optimizer is not None  # only level 2's gradient constraints
+                    and not any(p.node in program.graph.inputs for p in pins))):
+            pins = pins + self._data_parallel_default(args, program, space, names)
+        if settings.optimizer is not None:  # ZeRO: the state split over data parallel
+            pins = optimizer_pins(settings.optimizer, program, args, info.static_argnums,
+                                  space, pins, api=info.api)
         ties = state_ties(program, args, info.static_argnums)
         if settings.ckpt_load:
             decision = load_strategies(settings.ckpt_load, space, api=info.api)

@@ -63,6 +63,11 @@ class ParallelContext:
     # sorted (key, value) pairs so the context stays hashable; read back as a dict.
     pipeline_config: tuple = ()
     micro_batches: int | None = None  # micro-batches per step; None = pipeline_stages
+    enable_parallel_optimizer: bool = False  # ZeRO: optimizer state (and more) split over dp
+    # {"optimizer_level": "level1" | "level2" | "level3", "parallel_optimizer_threshold": KB,
+    #  "optimizer_weight_shard_size": k, "gradient_accumulation_shard": bool}, sorted pairs
+    # as pipeline_config (see jaxpar/_src/optimizer_parallel.py).
+    parallel_optimizer_config: tuple = ()
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ParallelContext)}
@@ -125,6 +130,14 @@ def _validate(key: str, value: Any) -> Any:
         raise ContextError(f"jaxpar: parameter_broadcast must be True or False, got {value!r}.")
     if key in ("pipeline_stages", "pipeline_config", "micro_batches"):
         return _pipeline_option(key, value)
+    if key == "enable_parallel_optimizer" and not isinstance(value, bool):
+        raise ContextError(
+            f"jaxpar: enable_parallel_optimizer must be True or False, got {value!r}.")
+    if key == "parallel_optimizer_config":
+        from jaxpar._src.optimizer_parallel import check_config
+
+        return tuple(sorted(check_config(dict(value) if isinstance(value, tuple) else value)
+                            .items()))
     return value
 
 
@@ -159,7 +172,11 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     MindSpore's ``full_batch``), ``all_reduce_fusion_config``, ``comm_fusion``,
     ``parameter_broadcast``, ``pipeline_stages``, ``pipeline_config`` (``{"pipeline_scheduler":
     "gpipe" | "1f1b", "pipeline_interleave": bool}``) and ``micro_batches`` (see
-    :class:`jaxpar.PipelineCell`).
+    :class:`jaxpar.PipelineCell`), ``enable_parallel_optimizer`` and
+    ``parallel_optimizer_config`` (``{"optimizer_level": "level1" | "level2" | "level3",
+    "parallel_optimizer_threshold": 64, "optimizer_weight_shard_size": -1,
+    "gradient_accumulation_shard": False}``: ZeRO-style sharding over the data-parallel devices;
+    see :class:`jaxpar.OptimizerParallel`).
 
     ``gradients_mean`` defaults to ``True`` here, unlike MindSpore: a JAX program sees the global
     batch, so its gradients are the mean over devices, as single-device training computes them;
@@ -187,8 +204,8 @@ def get_auto_parallel_context(attr_key: str) -> Any:
     """
     if attr_key == "full_batch":
         return current_context().dataset_strategy == "full_batch"
-    if attr_key == "pipeline_config":
-        return dict(current_context().pipeline_config)
+    if attr_key in ("pipeline_config", "parallel_optimizer_config"):
+        return dict(getattr(current_context(), attr_key))
     if attr_key not in _FIELDS:
         _validate(attr_key, None)
     return getattr(current_context(), attr_key)

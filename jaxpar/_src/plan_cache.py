@@ -100,6 +100,7 @@ def plan_cache_key(*, graph: OpGraph, in_tree: Any, out_tree: Any, signature: Se
         "hardware": _text(settings.hardware), "algo": _text(settings.algo),
         "dataset_strategy": _text(settings.dataset_strategy),
         "pipeline": _text(settings.pipeline),
+        "optimizer": _text(settings.optimizer),
         "strategies": _sha(_text((info.in_strategy, info.out_strategy,
                                   None if info.parameter_plan is None
                                   else sorted(info.parameter_plan.items()),

@@ -5,12 +5,19 @@ with several inputs waits until its inputs are decided: the next node decided is
 producers are all decided (dataflow order), else one whose consumers all are, else the node
 discovered first (producers that no pin reaches, such as a broadcast literal or an unpinned
 argument, are not waited for: they follow their consumers).  Each node takes, among its
-candidate strategies, the one that is cheapest against all of its neighbours decided so far,
-compared in this order:
+candidate strategies that split over no mesh axis its decided neighbours do not use (follow,
+never invent: such a split shrinks the node's own all-reduce only to leave gathers after it),
+the one that is cheapest against all of its neighbours decided so far, compared in this order:
 
-1. the communication time of the layout changes on those edges (zero first);
-2. the number of edges whose layouts still differ (an exact match beats a free local slice);
-3. the node's own communication (partial sums to combine);
+1. the communication time of the layout changes on those edges plus the node's own (its
+   partial sums to combine): zero first.  MindSpore compares the edges alone and the node's own
+   communication only to break ties; then a matmul whose weight is split on the contraction
+   dimension (FSDP's layout) takes the contraction split and all-reduces whole activations,
+   where XLA's own propagation all-gathers the weight (issue 11: 2.5x the bytes, 2x the
+   memory on a GPT train step);
+2. the number of edges whose layouts still differ (an exact match beats a free local slice),
+   among the candidates whose communication is within 5% of the least (``NEAR``);
+3. the node's own communication (partial sums to combine), again;
 4. the number of mesh axes it uses (follow the neighbours; never invent new splits);
 5. its per-device FLOPs, then the candidate order (deterministic).
 
@@ -34,6 +41,8 @@ from jaxpar._src.graph import Edge, NodeKind, OpGraph, Role
 from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.spec import Spec
+
+NEAR = 0.05  # communication within 5% of the least counts as tied (criterion 2 then decides)
 
 
 def propagate(space: SearchSpace, pins: Sequence[Pin], *,
@@ -165,9 +174,18 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
         if exact is not None and not exact.partial:
             return exact
     candidates = space.candidates(v)
+    # Follow, never invent: a candidate splitting over a mesh axis none of its decided
+    # neighbours uses would shrink its own all-reduce only to leave gathers behind it.
+    seen = {a for e, other in edges for spec in (other.in_specs + other.out_specs)
+            for a in spec.axes}
+    if not any({a for spec in c.in_specs + c.out_specs for a in spec.axes} <= seen
+               for c in candidates):
+        seen = set(space.model.mesh.names)
     scored = []
     memo: dict[tuple[int, Spec], float] = {}  # candidates share port layouts: price each once
     for index, cand in enumerate(candidates):
+        if not {a for spec in cand.in_specs + cand.out_specs for a in spec.axes} <= seen:
+            continue
         comm, mismatches = 0.0, 0
         for k, (e, other) in enumerate(edges):
             if e.producer == v:
@@ -183,10 +201,20 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
                     t = memo[(k, mine)] = space.edge_time(e.producer, e.out_index, src,
                                                           e.consumer, dst)
                 comm += t
+        if cand.partial:  # its own all-reduce of partial sums is paid on the same wire
+            comm += space.op_cost(v, cand).comm_time
         scored.append((round(comm, 15), mismatches, index))
-    best_edge = min(scored)[:2]
+    # Communication within NEAR of the cheapest is a tie (a few bytes on a latency-bound
+    # collective are the cost model's noise): there an exact match of the neighbours' layouts
+    # wins, so a small reduction does not take a split of its own to shrink an all-reduce by
+    # bytes and leave gathers behind it.
+    least = min(comm for comm, _, _ in scored)
+    near = [c for c in scored if c[0] <= least * (1 + NEAR)]
+    fewest = min(mismatches for _, mismatches, _ in near)
+    near = [c for c in near if c[1] == fewest]
+    best_comm = min(comm for comm, _, _ in near)
     # Only candidates tied on the edges need their own costs (the expensive part).
-    tied = [index for comm, mismatches, index in scored if (comm, mismatches) == best_edge]
+    tied = [index for comm, _, index in near if comm == best_comm]
     if len(tied) == 1:
         return candidates[tied[0]]
 

@@ -5,7 +5,8 @@ The parallel mode comes from the auto-parallel context:
 * ``stand_alone``: the step is ``jax.jit``-compiled on one device;
 * ``data_parallel``: the step runs per replica (:func:`jaxpar.per_replica`) and a
   :class:`~jaxpar.DistributedGradReducer` averages the gradients in the buckets the
-  communication-fusion configuration chooses;
+  communication-fusion configuration chooses; with ``enable_parallel_optimizer`` (ZeRO) the
+  whole step goes through :func:`jaxpar.parallelize` instead, its state split over the devices;
 * ``semi_auto_parallel`` / ``auto_parallel``: the whole train step goes through
   :func:`jaxpar.parallelize` (``jaxpar.shard`` annotations inside the network are honoured,
   the rest propagated or searched).
@@ -42,6 +43,7 @@ from jaxpar._src.data.dataset import Dataset
 from jaxpar._src.data.placement import to_global
 from jaxpar._src.errors import ContextError, DatasetError
 from jaxpar._src.execution import pynative
+from jaxpar._src.optimizer_parallel import OptimizerParallel, shard_gradients
 from jaxpar._src.train import metrics as metric_lib
 from jaxpar._src.train.callbacks import Callback, CallbackParams, ProgressBar, RunContext
 from jaxpar._src.train.network import Network
@@ -186,14 +188,19 @@ class Model:
         ctx = current_context()
         mode = ctx.parallel_mode
         key = ("train", mode, ctx.search_mode, ctx.mesh, ctx.dataset_strategy, len(batch),
-               ctx.pipeline_stages, ctx.pipeline_config, ctx.micro_batches)
+               ctx.pipeline_stages, ctx.pipeline_config, ctx.micro_batches,
+               ctx.enable_parallel_optimizer, ctx.parallel_optimizer_config)
         step = self._steps.get(key)
         if step is not None:
             return step
         apply, loss_fn, optimizer = self._apply, self.loss_fn, self.optimizer
         manager = self.loss_scale_manager
-        reducer = DistributedGradReducer(state[0]) if mode is ParallelMode.DATA_PARALLEL \
+        # The parallel optimizer (ZeRO) is layouts of the whole step: data parallel then runs
+        # through parallelize, like the other modes, instead of per replica.
+        zero = OptimizerParallel.from_context(ctx) if mode is not ParallelMode.STAND_ALONE \
             else None
+        reducer = DistributedGradReducer(state[0]) if mode is ParallelMode.DATA_PARALLEL \
+            and zero is None else None
         pipe = _pipeline_loss(apply, loss_fn, len(batch), state[1], ctx)
 
         def train_step(state: Any, *batch: Any) -> Any:
@@ -211,6 +218,7 @@ class Model:
                 return (manager.scale(loss, ls) if manager else loss), (loss, new_rest)
 
             grads, (loss, new_rest) = jax.grad(loss_of, has_aux=True)(params)
+            grads = shard_gradients(grads, zero)  # level 2: kept split where they are made
             if reducer is not None:
                 grads = reducer(grads)
             if manager is not None:
@@ -225,7 +233,7 @@ class Model:
         batch_argnums = tuple(range(1, 1 + len(batch)))
         if mode is ParallelMode.STAND_ALONE:
             step = _eager_or_jit(train_step)
-        elif mode is ParallelMode.DATA_PARALLEL:
+        elif mode is ParallelMode.DATA_PARALLEL and zero is None:
             step = per_replica(train_step, batch_argnums=batch_argnums)
         else:
             from jaxpar._src.api import parallelize
