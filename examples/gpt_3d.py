@@ -1,6 +1,8 @@
 """Data, tensor and pipeline parallel together: the demo GPT on a (dp, tp, pp) = (2, 2, 2) mesh.
 
-The model is the unannotated GPT of ``gpt.py``, written for one device.  ``auto_parallel`` with
+The model is the unannotated GPT of ``gpt.py``, written for one device, trained with Adam whose
+moments the parallel optimizer (MindSpore's ``enable_parallel_optimizer``, ZeRO level 1 by
+default) splits over the devices that hold copies.  ``auto_parallel`` with
 ``pipeline_stages=2`` finds the repeated blocks, cuts them into two stages on ``pp`` where only
 the residual stream crosses, runs them under a 1F1B schedule of micro-batches, and plans each
 stage's layers on the rest of the mesh (``dp`` x ``tp``) with the cost model's search.  The
@@ -58,12 +60,19 @@ def make_step(cfg: gpt.GPTConfig, optimizer: optax.GradientTransformation, pipel
     return step, params, optimizer.init(params)
 
 
+def _axes(spec) -> set[str]:
+    """The mesh axes a PartitionSpec splits over."""
+    return {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--zero", default="level1", choices=["off", "level1", "level3"],
+                        help="the parallel optimizer's level (MindSpore's optimizer_level)")
     parser.add_argument("--smoke", action="store_true", help="a tiny run for CI")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -75,9 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
     data = [np.asarray(next(stream)) for _ in range(args.steps)]
 
     mesh = jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp"))
+    zero = {} if args.zero == "off" else {
+        "enable_parallel_optimizer": True,
+        "parallel_optimizer_config": {"optimizer_level": args.zero}}
     with jaxpar.auto_parallel_context(parallel_mode="auto_parallel", mesh=mesh,
                                       pipeline_stages=2, micro_batches=args.micro_batches,
-                                      pipeline_config={"pipeline_scheduler": "1f1b"}):
+                                      pipeline_config={"pipeline_scheduler": "1f1b"}, **zero):
         step_fn, params, opt_state = make_step(cfg, optimizer, pipelined=True)
         step = jaxpar.parallelize(step_fn, batch_argnums=(2, 3), donate_argnums=(0, 1))
         x, y = data[0][:, :-1], data[0][:, 1:]
@@ -88,8 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
             params, opt_state, loss = step(params, opt_state, batch[:, :-1], batch[:, 1:])
             losses.append(float(loss))
 
-    print(f"GPT: {cfg.layers} blocks, d_model {cfg.d_model}, mesh {dict(mesh.shape)}")
+    print(f"GPT: {cfg.layers} blocks, d_model {cfg.d_model}, mesh {dict(mesh.shape)}, "
+          f"parallel optimizer {args.zero}")
     print(plan.pipeline.explain())
+    layouts = plan.input_layouts()
+    moments = {k: v for k, v in layouts.items() if ".mu." in k or ".nu." in k}
+    axes = sorted({a for spec in moments.values() for a in _axes(spec)})
+    print(f"\noptimizer state: {sum(1 for v in moments.values() if any(v))} of {len(moments)} "
+          f"Adam moments split, over {axes or 'no axis'}")
     split = {name: spec for name, spec in plan.pipeline.sub_plan.input_layouts().items()
              if any(spec)}
     print("\nthe stage's split arguments on (dp, tp), chosen by the search "
@@ -115,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     if gap > 1e-4:
         raise SystemExit(f"the pipelined losses differ from one device's by {gap:.1e}")
     return {"plan": plan, "collectives": colls, "losses": losses, "reference": reference,
-            "stage_layouts": split}
+            "stage_layouts": split, "moment_axes": axes}
 
 
 if __name__ == "__main__":
