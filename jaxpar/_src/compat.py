@@ -202,3 +202,34 @@ def jaxpr_function_name(jaxpr: Any) -> str:
     info = getattr(jaxpr, "debug_info", None)
     src = getattr(info, "func_src_info", None) or ""
     return src.split(" ", 1)[0]
+
+
+def scoped_source_info(source_info: Any, scope: str) -> Any:
+    """``source_info`` with its name stack under the name scope ``scope`` (what
+    ``jax.named_scope(scope)`` around its equation would have given)."""
+    if _siu is None:  # pragma: no cover - a JAX without the module: names are only metadata
+        return source_info
+    return source_info.replace(name_stack=_siu.new_name_stack(scope) + source_info.name_stack)
+
+
+_CALL_PARAMS: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def call_closed_jaxpr(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, name: str
+                      ) -> list[Any]:
+    """Binds ``closed`` as one nested, non-inlined ``jax.jit`` call on ``args``: the trace in
+    progress records one equation, and lowering emits ``closed`` as a function of its own.  The
+    call's parameters are those this JAX writes for ``jax.jit(f, inline=False)`` of the same
+    arity (traced once per arity), with ``closed`` as the body."""
+    n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
+    template = _CALL_PARAMS.get((n_in, n_out))
+    if template is None:
+        def body(*xs: Any) -> tuple[Any, ...]:
+            return tuple(jax.numpy.zeros(()) for _ in range(n_out))
+
+        specs = [jax.ShapeDtypeStruct((), "float32")] * n_in
+        traced = jax.make_jaxpr(jax.jit(body, inline=False))(*specs)
+        (eqn,) = traced.jaxpr.eqns
+        template = _CALL_PARAMS[(n_in, n_out)] = dict(eqn.params)
+    params = dict(template, jaxpr=closed, name=name)
+    return list(jcore.primitives.jit_p.bind(*args, **params))
