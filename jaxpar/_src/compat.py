@@ -209,27 +209,38 @@ def scoped_source_info(source_info: Any, scope: str) -> Any:
     ``jax.named_scope(scope)`` around its equation would have given)."""
     if _siu is None:  # pragma: no cover - a JAX without the module: names are only metadata
         return source_info
-    return source_info.replace(name_stack=_siu.new_name_stack(scope) + source_info.name_stack)
+    base = _SCOPES.get(scope)
+    if base is None:
+        if len(_SCOPES) > 1 << 16:
+            _SCOPES.clear()
+        base = _SCOPES[scope] = _siu.new_name_stack(scope)
+    own = source_info.name_stack
+    return _siu.SourceInfo(source_info.traceback, base + own if own.stack else base)
 
 
-_CALL_PARAMS: dict[tuple[int, int], dict[str, Any]] = {}
+_SCOPES: dict[str, Any] = {}  # name stacks of one scope: one per plan node, not per equation
 
 
 def call_closed_jaxpr(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, name: str
                       ) -> list[Any]:
     """Binds ``closed`` as one nested, non-inlined ``jax.jit`` call on ``args``: the trace in
     progress records one equation, and lowering emits ``closed`` as a function of its own.  The
-    call's parameters are those this JAX writes for ``jax.jit(f, inline=False)`` of the same
-    arity (traced once per arity), with ``closed`` as the body."""
+    call's parameters are those this JAX writes for ``jax.jit(f, inline=False)`` of one input
+    and two results (traced here, in this call's context): its tuples of one entry (per input)
+    and of two (per result) repeated to this call's arity; ``closed`` is the body."""
     n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
-    template = _CALL_PARAMS.get((n_in, n_out))
-    if template is None:
-        def body(*xs: Any) -> tuple[Any, ...]:
-            return tuple(jax.numpy.zeros(()) for _ in range(n_out))
 
-        specs = [jax.ShapeDtypeStruct((), "float32")] * n_in
-        traced = jax.make_jaxpr(jax.jit(body, inline=False))(*specs)
-        (eqn,) = traced.jaxpr.eqns
-        template = _CALL_PARAMS[(n_in, n_out)] = dict(eqn.params)
-    params = dict(template, jaxpr=closed, name=name)
+    def body(x: Any) -> tuple[Any, Any]:
+        return x, x
+
+    traced = jax.make_jaxpr(jax.jit(body, inline=False))(jax.ShapeDtypeStruct((), "float32"))
+    (eqn,) = traced.jaxpr.eqns
+    params = {}
+    for key, value in eqn.params.items():
+        if isinstance(value, tuple) and len(value) == 1:
+            value = value * n_in
+        elif isinstance(value, tuple) and len(value) == 2:
+            value = value[:1] * n_out
+        params[key] = value
+    params.update(jaxpr=closed, name=name)
     return list(jcore.primitives.jit_p.bind(*args, **params))
