@@ -41,21 +41,32 @@ def source_location(eqn: jcore.JaxprEqn) -> str:
     The innermost frame of the user's own code wins over library frames (a Flax layer's
     ``linear.py`` says less than the model line that called it).
     """
-    if _siu is None:
-        return "?"
-    try:
-        frames = list(_siu.user_frames(eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - a missing location must never break planning
-        frames = []
+    frames = _own_frames(eqn)
     if not frames:
         return "?"
-    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
-    frame = (own or frames)[0]
-    name = os.path.basename(frame.file_name)
-    return f"{name}:{frame.start_line} ({frame.function_name.rsplit('.', 1)[-1]})"
+    name, line, function = frames[0]
+    return f"{os.path.basename(name)}:{line} ({function.rsplit('.', 1)[-1]})"
 
 
 _LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
+def _own_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
+    """The user frames of ``eqn`` (:func:`source_frames`): those outside installed libraries
+    when there are any, else all."""
+    frames = source_frames(eqn)
+    own = tuple(f for f in frames if not _is_library(f[0]))
+    return own or frames
+
+
+def _is_library(file_name: str) -> bool:
+    found = _LIBRARIES.get(file_name)
+    if found is None:
+        found = _LIBRARIES[file_name] = _LIBRARY.search(file_name) is not None
+    return found
+
+
+_LIBRARIES: dict[str, bool] = {}
 
 
 def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
@@ -80,7 +91,7 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
             if frame[0]:
                 out.append(frame)
         return tuple(out)
-    except Exception:  # noqa: BLE001 - a missing location must never break a report
+    except Exception:  # noqa: BLE001 - a missing location must never break planning
         return ()
 
 
@@ -107,14 +118,7 @@ def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
     """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
     first: one line of a helper called from several places (a ``dense`` function, a Flax
     layer) stands for different operators, its callers tell them apart."""
-    if _siu is None:
-        return ()
-    try:
-        frames = list(_siu.user_frames(eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - a missing location must never break planning
-        return ()
-    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
-    return tuple((f.file_name, f.start_line) for f in (own or frames))
+    return tuple((name, line) for name, line, _ in _own_frames(eqn))
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
