@@ -84,18 +84,20 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
         codes, lastis = tb.raw_frames()
         out = []
         for code, lasti in zip(codes, lastis, strict=True):
-            # Equations of one layer share their frames: resolve each one once.
-            frame = _FRAMES.get((code, lasti))
-            if frame is None:
-                frame = _FRAMES[(code, lasti)] = _frame(code, lasti)
-            if frame[0]:
-                out.append(frame)
+            # Equations of one layer share their frames: resolve each one once.  Keyed by the
+            # code object's id (hashing a code object hashes its bytecode); the entry holds the
+            # code object, so the id is not reused while the entry lives.
+            found = _FRAMES.get((id(code), lasti))
+            if found is None:
+                found = _FRAMES[(id(code), lasti)] = (code, _frame(code, lasti))
+            if found[1][0]:
+                out.append(found[1])
         return tuple(out)
     except Exception:  # noqa: BLE001 - a missing location must never break planning
         return ()
 
 
-_FRAMES: dict[tuple[Any, int], tuple[str, int, str]] = {}
+_FRAMES: dict[tuple[int, int], tuple[Any, tuple[str, int, str]]] = {}
 
 
 def _frame(code: Any, lasti: int) -> tuple[str, int, str]:
