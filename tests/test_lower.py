@@ -3,6 +3,7 @@ says: the compiled collectives are those of the fully constrained program, and t
 
 import collections
 import functools
+import re
 
 import jax
 import pytest
@@ -19,6 +20,13 @@ def _compiled(monkeypatch, fn, args, loose, annotate=True, **options):
     step = jaxpar.parallelize(fn, **options)
     lowered = step.lower(*args)
     return step, lowered.as_text().count("sharding_constraint"), lowered.compile()
+
+
+def _instructions(compiled):
+    """The partitioned program's instructions, names and metadata left out, sorted."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    text = re.sub(r"%[\w.\-]+", "%v", text)
+    return sorted(line.strip() for line in text.splitlines() if " = " in line)
 
 
 def _collectives(compiled):
@@ -53,6 +61,7 @@ def test_loose_results_change_no_collective(monkeypatch, case):
     assert [e.primitive.name for e in traced.jaxpr.eqns] == ["jit"]  # one nested call
     assert n == evaluated_n  # the same constraints, written down instead of traced
     assert _collectives(evaluated) == _collectives(loose)
+    assert _instructions(evaluated) == _instructions(loose)  # the very same program
     plan = step.plan(params, x)
     assert len(lower.loose_values(step.compiled_entry(params, x).program.graph, plan)) > 20
     assert n < full_n * 0.8
