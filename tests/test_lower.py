@@ -92,3 +92,23 @@ def test_loops_and_checkpoints_are_evaluated():
                                   in_strategy=((8, 1),))
         assert not annotate.can_annotate(step.compiled_entry(x).program.graph)
         assert_tree_close(step(x), fn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_annotated_edge_cases():
+    """Results that are arguments, literals and constants, and literal operands."""
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    x = jax.numpy.arange(32.0).reshape(16, 2)
+    table = jax.numpy.arange(2.0)
+
+    def f(x):
+        return x, 1.0, x * 2 + table, jax.numpy.float32(3) * x
+
+    step = jaxpar.parallelize(f, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=((8, 1),))
+    assert not annotate.can_annotate(step.compiled_entry(x).program.graph)  # the literal 1.0
+    assert_tree_close(step(x), f(x))
+    g = lambda x: f(x)[::2]  # noqa: E731
+    step = jaxpar.parallelize(g, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=((8, 1),))
+    assert annotate.can_annotate(step.compiled_entry(x).program.graph)
+    assert_tree_close(step(x), g(x))

@@ -48,6 +48,8 @@ def can_annotate(graph: OpGraph) -> bool:
     checkpoint bodies or effects (the evaluator rebuilds loops, branches and barriers)."""
     if graph.remats:
         return False
+    if any(isinstance(graph.nodes[n].inputs[0], Const) for n in graph.outputs):
+        return False  # a literal result: the evaluator hands it back as it is
     for node in graph.nodes:
         if node.kind is NodeKind.CONTROL or node.kind is NodeKind.ENTER or \
                 node.kind is NodeKind.EXIT:
