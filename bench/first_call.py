@@ -15,7 +15,7 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
    out_shardings=...)(*args)`` given the shardings jaxpar chose; the first run with empty caches,
    the second with jaxpar's plan cache (``jaxpar.config.plan_cache_dir``) and JAX's persistent
    compilation cache (``jax_compilation_cache_dir``) filled by the first; jaxpar's phases
-   (trace, plan, lower = JAX's trace of the evaluator and its StableHLO, XLA compile) from
+   (trace, plan, lower = JAX's trace of the jitted function and its StableHLO, XLA compile) from
    ``jax.monitoring``'s compile events and the plan's own timings.
 
 ``python bench/first_call.py [--quick] [--out DIR]``; ``make bench`` runs it after the other
@@ -276,7 +276,7 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "given the shardings jaxpar chose. Run 1: empty caches; run 2: jaxpar's plan cache "
              "and JAX's compilation cache (a directory each) as run 1 left them. jaxpar's "
              "phases: trace (its jaxpr and graph), plan (search, or plan cache), lower (JAX's "
-             "trace of the evaluator + StableHLO), XLA compile; seconds.", "",
+             "trace of the jitted function + StableHLO), XLA compile; seconds.", "",
              "| layers | ops | run | jaxpar s | jax.jit s | ratio | run 2 / run 1 | plan cache | "
              "trace | plan | lower | XLA compile | XLA cache hit/miss | jit's XLA compile | "
              "jit's hit/miss |",

@@ -3,22 +3,30 @@ says: the compiled collectives are those of the fully constrained program, and t
 
 import collections
 import functools
+import re
 
 import jax
 import pytest
 
 import jaxpar
-from jaxpar._src import api, lower
+from jaxpar._src import annotate, api, lower
 from tests import models
 from tests.util import assert_tree_close
 
 
-def _compiled(monkeypatch, fn, args, loose, **options):
-    monkeypatch.setattr(api, "make_evaluator", functools.partial(lower.make_evaluator,
-                                                                 loose=loose))
+def _compiled(monkeypatch, fn, args, loose, annotate=True, **options):
+    monkeypatch.setattr(api, "make_evaluator", functools.partial(
+        lower.make_evaluator, loose=loose, annotate=annotate))
     step = jaxpar.parallelize(fn, **options)
     lowered = step.lower(*args)
     return step, lowered.as_text().count("sharding_constraint"), lowered.compile()
+
+
+def _instructions(compiled):
+    """The partitioned program's instructions, names and metadata left out, sorted."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    text = re.sub(r"%[\w.\-]+", "%v", text)
+    return sorted(line.strip() for line in text.splitlines() if " = " in line)
 
 
 def _collectives(compiled):
@@ -30,7 +38,9 @@ def _collectives(compiled):
 def test_loose_results_change_no_collective(monkeypatch, case):
     """A transformer block's gradient (Megatron by hand on (dp, mp), or as the search
     decides): the same compiled collectives with and without the constraints inside
-    elementwise runs; for Megatron, those the plan predicted."""
+    elementwise runs, and lowered from the annotated jaxpr (one nested call: JAX traces one
+    equation, not the program again) or evaluated equation by equation; for Megatron, those
+    the plan predicted."""
     params, x = models.init_block(jax.random.key(0), batch=4, seq=8, d=32, ff=64)
     grad = jax.grad(models.block_loss)
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
@@ -43,6 +53,15 @@ def test_loose_results_change_no_collective(monkeypatch, case):
     full_step, full_n, full = _compiled(monkeypatch, grad, (params, x), False, mesh=mesh,
                                         **options)
     step, n, loose = _compiled(monkeypatch, grad, (params, x), True, mesh=mesh, **options)
+    _, evaluated_n, evaluated = _compiled(monkeypatch, grad, (params, x), True, annotate=False,
+                                          mesh=mesh, **options)
+    entry = step.compiled_entry(params, x)
+    assert annotate.can_annotate(entry.program.graph)
+    traced = entry.jitted.trace(*step._placed((params, x), entry))
+    assert [e.primitive.name for e in traced.jaxpr.eqns] == ["jit"]  # one nested call
+    assert n == evaluated_n  # the same constraints, written down instead of traced
+    assert _collectives(evaluated) == _collectives(loose)
+    assert _instructions(evaluated) == _instructions(loose)  # the very same program
     plan = step.plan(params, x)
     assert len(lower.loose_values(step.compiled_entry(params, x).program.graph, plan)) > 20
     assert n < full_n * 0.8
@@ -56,3 +75,40 @@ def test_loose_results_change_no_collective(monkeypatch, case):
     for r in jaxpar.inspect.collectives(loose):
         compiled[(r.kind, tuple(sorted(r.axes or ())))] += r.count
     assert compiled == predicted
+
+
+def test_loops_and_checkpoints_are_evaluated():
+    """What the annotated jaxpr does not cover (loops, checkpoint bodies) is evaluated."""
+    def scanned(x):
+        return jax.lax.scan(lambda c, _: (jax.numpy.tanh(c), None), x, None, length=3)[0]
+
+    def remat(x):
+        return jax.checkpoint(lambda y: jax.numpy.sin(y) * 2)(x)
+
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    x = jax.numpy.ones((16, 4))
+    for fn in (scanned, jax.grad(lambda x: remat(x).sum())):
+        step = jaxpar.parallelize(fn, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8, 1),))
+        assert not annotate.can_annotate(step.compiled_entry(x).program.graph)
+        assert_tree_close(step(x), fn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_annotated_edge_cases():
+    """Results that are arguments, literals and constants, and literal operands."""
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    x = jax.numpy.arange(32.0).reshape(16, 2)
+    table = jax.numpy.arange(2.0)
+
+    def f(x):
+        return x, 1.0, x * 2 + table, jax.numpy.float32(3) * x
+
+    step = jaxpar.parallelize(f, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=((8, 1),))
+    assert not annotate.can_annotate(step.compiled_entry(x).program.graph)  # the literal 1.0
+    assert_tree_close(step(x), f(x))
+    g = lambda x: f(x)[::2]  # noqa: E731
+    step = jaxpar.parallelize(g, mesh=mesh, parallel_mode="semi_auto_parallel",
+                              in_strategy=((8, 1),))
+    assert annotate.can_annotate(step.compiled_entry(x).program.graph)
+    assert_tree_close(step(x), g(x))

@@ -48,3 +48,45 @@ def test_repeated_layers_share_their_candidate_lists():
     problem = build_problem(SearchSpace(graph, CostModel(mesh, HardwareProfile())), [])
     dots = [n.id for n in graph.nodes if n.name == "dot_general"]
     assert len({id(problem.cands[d]) for d in dots}) == 1  # one list for one rule
+
+
+def _stack_graph(layers):
+    """An SGD step of ``layers`` identical layers (dense, bias, GELU, residual)."""
+    def loss(ps, x):
+        for p in ps:
+            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        grads = jax.grad(loss)(ps, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, grads)
+
+    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(layers)]
+    return trace(step, (ps, jnp.ones((16, 32)))).graph
+
+
+def _problem(graph, share=True):
+    mesh = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+    return build_problem(SearchSpace(graph, CostModel(mesh, HardwareProfile())), [],
+                         share=share)
+
+
+def test_repeated_layers_are_priced_once():
+    """A stack of identical layers is priced per kind of node and edge: what is priced does
+    not grow with the depth, and the problem (so the plan any solver picks) is exactly the one
+    of pricing every operator on its own."""
+    from jaxpar._src.search.modes import recursive_plan
+
+    deep = _stack_graph(6)
+    three, six = _problem(_stack_graph(3)), _problem(deep)
+    assert six.priced["of_nodes"] > 1.8 * three.priced["of_nodes"]
+    assert six.priced["nodes"] == three.priced["nodes"] < three.priced["of_nodes"] / 2
+    assert six.priced["edges"] == three.priced["edges"] < three.priced["of_edges"] / 2
+    alone = _problem(deep, share=False)
+    assert alone.priced["nodes"] == six.priced["of_nodes"]
+    assert alone.reps == six.reps and alone.cands == six.cands
+    assert alone.edges.keys() == six.edges.keys()
+    assert all((alone.cost[r] == six.cost[r]).all() and (alone.mem[r] == six.mem[r]).all()
+               for r in six.reps)
+    assert all((alone.edges[k] == six.edges[k]).all() for k in six.edges)
+    assert recursive_plan(alone, 0.0) == recursive_plan(six, 0.0)

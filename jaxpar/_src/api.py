@@ -444,7 +444,8 @@ class Parallelized:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
-        run = make_evaluator(graph, plan, mesh, constrain=constrain)
+        run = make_evaluator(graph, plan, mesh, constrain=constrain,
+                             name=getattr(info.fn, "__name__", "parallelized"))
         flat_in = tuple(named_sharding(mesh, a if a is not None else s)
                         for s, a in zip(plan.input_specs, arrivals, strict=True))
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.

@@ -41,21 +41,32 @@ def source_location(eqn: jcore.JaxprEqn) -> str:
     The innermost frame of the user's own code wins over library frames (a Flax layer's
     ``linear.py`` says less than the model line that called it).
     """
-    if _siu is None:
-        return "?"
-    try:
-        frames = list(_siu.user_frames(eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - a missing location must never break planning
-        frames = []
+    frames = _own_frames(eqn)
     if not frames:
         return "?"
-    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
-    frame = (own or frames)[0]
-    name = os.path.basename(frame.file_name)
-    return f"{name}:{frame.start_line} ({frame.function_name.rsplit('.', 1)[-1]})"
+    name, line, function = frames[0]
+    return f"{os.path.basename(name)}:{line} ({function.rsplit('.', 1)[-1]})"
 
 
 _LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
+def _own_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
+    """The user frames of ``eqn`` (:func:`source_frames`): those outside installed libraries
+    when there are any, else all."""
+    frames = source_frames(eqn)
+    own = tuple(f for f in frames if not _is_library(f[0]))
+    return own or frames
+
+
+def _is_library(file_name: str) -> bool:
+    found = _LIBRARIES.get(file_name)
+    if found is None:
+        found = _LIBRARIES[file_name] = _LIBRARY.search(file_name) is not None
+    return found
+
+
+_LIBRARIES: dict[str, bool] = {}
 
 
 def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
@@ -73,18 +84,20 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
         codes, lastis = tb.raw_frames()
         out = []
         for code, lasti in zip(codes, lastis, strict=True):
-            # Equations of one layer share their frames: resolve each one once.
-            frame = _FRAMES.get((code, lasti))
-            if frame is None:
-                frame = _FRAMES[(code, lasti)] = _frame(code, lasti)
-            if frame[0]:
-                out.append(frame)
+            # Equations of one layer share their frames: resolve each one once.  Keyed by the
+            # code object's id (hashing a code object hashes its bytecode); the entry holds the
+            # code object, so the id is not reused while the entry lives.
+            found = _FRAMES.get((id(code), lasti))
+            if found is None:
+                found = _FRAMES[(id(code), lasti)] = (code, _frame(code, lasti))
+            if found[1][0]:
+                out.append(found[1])
         return tuple(out)
-    except Exception:  # noqa: BLE001 - a missing location must never break a report
+    except Exception:  # noqa: BLE001 - a missing location must never break planning
         return ()
 
 
-_FRAMES: dict[tuple[Any, int], tuple[str, int, str]] = {}
+_FRAMES: dict[tuple[int, int], tuple[Any, tuple[str, int, str]]] = {}
 
 
 def _frame(code: Any, lasti: int) -> tuple[str, int, str]:
@@ -107,14 +120,7 @@ def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
     """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
     first: one line of a helper called from several places (a ``dense`` function, a Flax
     layer) stands for different operators, its callers tell them apart."""
-    if _siu is None:
-        return ()
-    try:
-        frames = list(_siu.user_frames(eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - a missing location must never break planning
-        return ()
-    own = [f for f in frames if not _LIBRARY.search(f.file_name)]
-    return tuple((f.file_name, f.start_line) for f in (own or frames))
+    return tuple((name, line) for name, line, _ in _own_frames(eqn))
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
@@ -202,3 +208,45 @@ def jaxpr_function_name(jaxpr: Any) -> str:
     info = getattr(jaxpr, "debug_info", None)
     src = getattr(info, "func_src_info", None) or ""
     return src.split(" ", 1)[0]
+
+
+def scoped_source_info(source_info: Any, scope: str) -> Any:
+    """``source_info`` with its name stack under the name scope ``scope`` (what
+    ``jax.named_scope(scope)`` around its equation would have given)."""
+    if _siu is None:  # pragma: no cover - a JAX without the module: names are only metadata
+        return source_info
+    base = _SCOPES.get(scope)
+    if base is None:
+        if len(_SCOPES) > 1 << 16:
+            _SCOPES.clear()
+        base = _SCOPES[scope] = _siu.new_name_stack(scope)
+    own = source_info.name_stack
+    return _siu.SourceInfo(source_info.traceback, base + own if own.stack else base)
+
+
+_SCOPES: dict[str, Any] = {}  # name stacks of one scope: one per plan node, not per equation
+
+
+def call_closed_jaxpr(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, name: str
+                      ) -> list[Any]:
+    """Binds ``closed`` as one nested, non-inlined ``jax.jit`` call on ``args``: the trace in
+    progress records one equation, and lowering emits ``closed`` as a function of its own.  The
+    call's parameters are those this JAX writes for ``jax.jit(f, inline=False)`` of one input
+    and two results (traced here, in this call's context): its tuples of one entry (per input)
+    and of two (per result) repeated to this call's arity; ``closed`` is the body."""
+    n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
+
+    def body(x: Any) -> tuple[Any, Any]:
+        return x, x
+
+    traced = jax.make_jaxpr(jax.jit(body, inline=False))(jax.ShapeDtypeStruct((), "float32"))
+    (eqn,) = traced.jaxpr.eqns
+    params = {}
+    for key, value in eqn.params.items():
+        if isinstance(value, tuple) and len(value) == 1:
+            value = value * n_in
+        elif isinstance(value, tuple) and len(value) == 2:
+            value = value[:1] * n_out
+        params[key] = value
+    params.update(jaxpr=closed, name=name)
+    return list(jcore.primitives.jit_p.bind(*args, **params))

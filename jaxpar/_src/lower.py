@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from jaxpar._src.annotate import annotated_runner, can_annotate
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
@@ -53,9 +54,15 @@ def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 
 
 def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
-                   constrain: bool = True, loose: bool = True) -> Callable[..., list[Any]]:
+                   constrain: bool = True, loose: bool = True, annotate: bool = True,
+                   name: str = "jaxpar") -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
-    (``loose=False``: on every result, :func:`loose_values` too)."""
+    (``loose=False``: on every result, :func:`loose_values` too).  Straight-line graphs are
+    not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
+    always evaluate)."""
+    if annotate and constrain and can_annotate(graph):
+        return annotated_runner(graph, plan, mesh, loose_values(graph, plan) if loose
+                                else frozenset(), name)
     return _Evaluator(graph, plan, mesh, constrain, loose).run
 
 

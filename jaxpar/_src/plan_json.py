@@ -29,8 +29,20 @@ def _specs(specs: Any) -> list:
     return [s.to_json() for s in specs]
 
 
-def _unspecs(data: Any) -> tuple[Spec, ...]:
-    return tuple(Spec.from_json(s) for s in data)
+def _unspecs(data: Any, seen: dict | None = None) -> tuple[Spec, ...]:
+    return tuple(_unspec(s, seen) for s in data)
+
+
+def _unspec(data: Any, seen: dict | None) -> Spec:
+    """``Spec.from_json(data)``; ``seen`` keeps the layouts read so far (a plan repeats a few
+    layouts thousands of times: each is built once)."""
+    if seen is None:
+        return Spec.from_json(data)
+    key = tuple(map(tuple, data))
+    spec = seen.get(key)
+    if spec is None:
+        spec = seen[key] = Spec(key)
+    return spec
 
 
 def _decision_to(d: OpDecision) -> dict:
@@ -55,19 +67,19 @@ def _decision_to(d: OpDecision) -> dict:
     return out
 
 
-def _decision_from(d: dict) -> OpDecision:
+def _decision_from(d: dict, seen: dict | None = None) -> OpDecision:
     return OpDecision(
         d["node"], d["kind"], d["name"], d["source"], d["label"],
         tuple(tuple(s) for s in d["in_shapes"]), tuple(tuple(s) for s in d["out_shapes"]),
-        _unspecs(d["in_specs"]), _unspecs(d["out_specs"]), d["origin"], d["weight"],
+        _unspecs(d["in_specs"], seen), _unspecs(d["out_specs"], seen), d["origin"], d["weight"],
         tuple(_coll_from(c) for c in d["collectives"]),
         tuple(Redistribution(r["producer"], r["out_index"], r["consumer"], r["in_index"],
-                             Spec.from_json(r["src"]), Spec.from_json(r["dst"]),
+                             _unspec(r["src"], seen), _unspec(r["dst"], seen),
                              tuple(_coll_from(c) for c in r["collectives"]))
               for r in d["redistributions"]),
         flops=d.get("flops", 0.0),
         terms=tuple(d["terms"]) if "terms" in d else None,
-        runner_up=(_unspecs(d["runner_up"][0]), _unspecs(d["runner_up"][1]))
+        runner_up=(_unspecs(d["runner_up"][0], seen), _unspecs(d["runner_up"][1], seen))
         if "runner_up" in d else None,
         runner_up_extra_s=d.get("runner_up_extra_s", 0.0),
         category=d.get("category", "other"))
@@ -93,8 +105,10 @@ def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
     scalars: dict[str, Any] = {k: data[k] for k in _PLAN_SCALARS
                                if k not in ("parallel_mode", "search_mode")}
     scalars.update({k: data.get(k) for k in _OPTIONAL_SCALARS})
+    seen: dict = {}
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
-                        data["search_mode"], tuple(_decision_from(d) for d in data["decisions"]),
+                        data["search_mode"],
+                        tuple(_decision_from(d, seen) for d in data["decisions"]),
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
                         **scalars,
                         collectives=tuple(_coll_from(c) for c in data.get("collectives", ())))

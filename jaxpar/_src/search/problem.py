@@ -53,6 +53,10 @@ class Problem:
     groups: list[list[int]]  # reps that may share one strategy
     origins: dict[int, str]  # pin origins
     members: dict[int, tuple[int, ...]] | None = None  # quotient: the reps each node stands for
+    # How much pricing the build did: nodes and layout-changing edges priced (each a
+    # vector or matrix over candidates), against the nodes and edges of the graph they cover.
+    # Repeated layers price each kind of node and edge once: these do not grow with depth.
+    priced: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_tables(cls, cost: Mapping[int, np.ndarray],
@@ -118,7 +122,12 @@ class Problem:
 
 
 def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tuple[int, int]] = (),
-                  fully_use_devices: bool = True) -> Problem:
+                  fully_use_devices: bool = True, share: bool = True) -> Problem:
+    """The coarse problem of ``space`` under ``pins``.  Nodes (and edges) alike in everything
+    their price depends on (rule, candidates, shapes, dtypes, loop weight, gradient bucket) are
+    priced once and share the result, so a stack of identical layers is priced like one layer
+    (``Problem.priced`` counts what was priced); ``share=False`` prices every node and edge on
+    its own, for comparison."""
     graph = space.graph
     mesh = space.model.mesh
     pinned = {p.node: p for p in pins}
@@ -229,6 +238,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                          None if index is None else index.tobytes(), node.weight,
                          space.bucket_of(nid), outs,
                          tuple(graph.operand_dtype(o) for o in node.inputs))
+            if not share:
+                signature = (nid,)
             found = vectors.get(signature)
             if found is None:  # repeated layers: price each kind of node once
                 options = cands[nid]
@@ -245,6 +256,7 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # -- edges --------------------------------------------------------------------------------
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrices: dict[tuple, np.ndarray] = {}
+    edges_between = 0  # edges between two coarse nodes (each needs a matrix)
     for producer, j, consumer, i in graph.priced_edges():
         ru, rv = rep_of(producer), rep_of(consumer)
         src = port(producer, "out", j)
@@ -254,9 +266,10 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
                 cost[ru][k] += space.edge_time(producer, j, specs[src[k]], consumer,
                                                specs[dst[k]])
             continue
+        edges_between += 1
         value = graph.values[graph.nodes[producer].outputs[j]]
         signature = (src.tobytes(), dst.tobytes(), value.shape, value.dtype,
-                     space.edge_weight(producer, consumer))
+                     space.edge_weight(producer, consumer)) if share else (producer, j, consumer, i)
         matrix = matrices.get(signature)
         if matrix is None:  # repeated layers repeat their edges: price each kind once
             matrix = matrices[signature] = _edge_matrix(space, producer, j, consumer, src,
@@ -269,7 +282,10 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     forced = {r: 0 for r in reps if r in pinned}
     groups = _layer_groups(space, reps, cands, forced)
     origins = {p.node: p.origin for p in pins}
-    return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins)
+    priced = {"nodes": len(vectors), "of_nodes": len(searchable), "edges": len(matrices),
+              "of_edges": edges_between}
+    return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins,
+                   priced=priced)
 
 
 TIE_BREAK_S_PER_BYTE = 1e-21
