@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.layers, args.width = 2, 2, 64
     cfg = gpt.GPTConfig(layers=args.layers, annotate=False, d_model=args.width, heads=4,
                         ff=4 * args.width, seq=32)
-    optimizer = optax.adam(1e-3)
+    optimizer = optax.adam(3e-4)
     stream = gpt.batches(gpt.corpus(), 16, cfg.seq)
     data = [np.asarray(next(stream)) for _ in range(args.steps)]
 
