@@ -34,7 +34,9 @@ References: MindSpore ``auto_parallel/dp_algo_costmodel.cc``, ``graph_costmodel.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import heapq
 
 import numpy as np
@@ -49,6 +51,12 @@ WORK_LIMIT = 4e6  # largest table (candidate triples) an exact elimination may b
 # HiGHS on one core.  Beyond it, star eliminations shrink the graph until it fits.
 CORE_VARIABLES = 40_000
 CORE_TIME_LIMIT = 20.0  # seconds (a safety: the relaxation of such a program takes one)
+# Final graphs solved lately, by content: the polishing passes re-solve the same problem (a
+# refinement that keeps every candidate), and a final graph's integer program is most of an
+# elimination's time (a second of a ResNet's search).  The answer is a function of the
+# tables alone, so remembering it changes no plan.
+CORE_MEMORY = 16
+_solved_cores: collections.OrderedDict[bytes, tuple[int, IlpResult]] = collections.OrderedDict()
 
 
 @dataclasses.dataclass
@@ -144,8 +152,17 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
             # final graph (there by enumeration, here by the integer program), if it is small
             # enough; else look again once star eliminations have shrunk it by a quarter.
             core = _core_problem(problem, alive, cost, edges)
-            size = ilp_variables(core, limit=core_variables, seen=counted)
-            solved = _solve_core(core) if size <= core_variables else None
+            key = _fingerprint(core)
+            size, solved = _solved_cores.get(key, (core_variables + 1, None))
+            if solved is None or size > core_variables:
+                size = ilp_variables(core, limit=core_variables, seen=counted)
+                solved = _solve_core(core) if size <= core_variables else None
+                if solved is not None:
+                    _solved_cores[key] = (size, solved)
+                    while len(_solved_cores) > CORE_MEMORY:
+                        _solved_cores.popitem(last=False)
+            else:
+                _solved_cores.move_to_end(key)
             if solved is not None:
                 records.append(("core", solved.choice))
                 stats.core, stats.core_variables = len(alive), size
@@ -250,6 +267,20 @@ def _core_problem(problem: Problem, alive: set[int], cost: dict[int, np.ndarray]
         cost={r: cost[r] for r in reps}, mem={r: np.zeros(len(cost[r])) for r in reps},
         edges={k: m for k, m in edges.items() if k[0] in alive and k[1] in alive},
         forced={}, groups=[], members=None)
+
+
+def _fingerprint(core: Problem) -> bytes:
+    """A digest of a final graph's cost tables (nodes, their costs, edges and theirs)."""
+    h = hashlib.blake2b(digest_size=20)
+    for r in core.reps:
+        c = np.ascontiguousarray(core.cost[r], dtype=float)
+        h.update(np.array([r, c.size], dtype=np.int64).tobytes())
+        h.update(c.tobytes())
+    for (u, v) in sorted(core.edges):
+        m = np.ascontiguousarray(core.edges[(u, v)], dtype=float)
+        h.update(np.array([u, v, *m.shape], dtype=np.int64).tobytes())
+        h.update(m.tobytes())
+    return h.digest()
 
 
 def _solve_core(core: Problem) -> IlpResult | None:
