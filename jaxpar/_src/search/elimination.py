@@ -71,6 +71,10 @@ class EliminationStats:
     core_variables: int = 0  # its integer program's size
     core_exact: bool = True  # its relaxation was integral (else: a neighbourhood's optimum)
     largest_table: int = 0  # entries of the largest table an elimination built
+    # A proven lower bound of the optimum (seconds, memory priced in): the plan's objective when
+    # exact; else the final graph's relaxation when no star elimination came before it (the
+    # exact eliminations lose nothing, so the final graph's optimum is the problem's); None.
+    bound: float | None = None
 
     @property
     def exact(self) -> bool:
@@ -167,6 +171,8 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
                 records.append(("core", solved.choice))
                 stats.core, stats.core_variables = len(alive), size
                 stats.core_exact = solved.optimal
+                if not stats.star and not solved.optimal:
+                    stats.bound = solved.bound
                 break
             recheck = (3 * len(alive)) // 4
         while v is None:  # every node is costly or has three or more neighbours
@@ -256,7 +262,11 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
         else:
             _, _, u, w, best = rec
             choice[v] = int(best[choice[u], choice[w]])
-    return {r: int(choice[r]) for r in problem.reps}, stats
+    out = {r: int(choice[r]) for r in problem.reps}
+    if stats.exact:
+        stats.bound = problem.objective(out) + memory_price * sum(
+            float(problem.mem[r][out[r]]) for r in problem.reps)
+    return out, stats
 
 
 def _core_problem(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],

@@ -108,7 +108,7 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Ro
     feasible = [p for p in plans if p is not None and program.feasible(p)]
     best = min(feasible, key=problem.objective, default=None)
     if best is not None and (not branch or (
-            bound is not None and _gap(problem.objective(best), bound) <= good_enough)):
+            bound is not None and optimality_gap(problem.objective(best), bound) <= good_enough)):
         return program.result(best, optimal=False, bound=bound)
     res = program.solve(integer=True, time_limit=time_limit)
     if res.x is not None:
@@ -264,12 +264,12 @@ class _Program:
     def result(self, choice: dict[int, int], *, optimal: bool, bound: float | None
                ) -> IlpResult:
         objective = self.problem.objective(choice)
-        gap = 0.0 if optimal or bound is None else _gap(objective, bound)
+        gap = 0.0 if optimal or bound is None else optimality_gap(objective, bound)
         return IlpResult(choice, objective, optimal, gap if not optimal else 0.0,
                          self.total, self.constraints, bound)
 
 
-def _gap(objective: float, bound: float) -> float:
+def optimality_gap(objective: float, bound: float) -> float:
     """How far ``objective`` may be above the optimum, relative to it: at most this much."""
     if objective <= 0:
         return 0.0
