@@ -56,7 +56,7 @@ CORE_TIME_LIMIT = 20.0  # seconds (a safety: the relaxation of such a program ta
 # elimination's time (a second of a ResNet's search).  The answer is a function of the
 # tables alone, so remembering it changes no plan.
 CORE_MEMORY = 16
-_solved_cores: collections.OrderedDict[bytes, tuple[int, IlpResult]] = collections.OrderedDict()
+_solved_cores: collections.OrderedDict[bytes, IlpResult] = collections.OrderedDict()
 
 
 @dataclasses.dataclass
@@ -156,17 +156,19 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
             # final graph (there by enumeration, here by the integer program), if it is small
             # enough; else look again once star eliminations have shrunk it by a quarter.
             core = _core_problem(problem, alive, cost, edges)
-            key = _fingerprint(core)
-            size, solved = _solved_cores.get(key, (core_variables + 1, None))
-            if solved is None or size > core_variables:
-                size = ilp_variables(core, limit=core_variables, seen=counted)
-                solved = _solve_core(core) if size <= core_variables else None
-                if solved is not None:
-                    _solved_cores[key] = (size, solved)
-                    while len(_solved_cores) > CORE_MEMORY:
-                        _solved_cores.popitem(last=False)
-            else:
-                _solved_cores.move_to_end(key)
+            size = ilp_variables(core, limit=core_variables, seen=counted)
+            solved = None
+            if size <= core_variables:  # (digesting a core too large to solve is waste)
+                key = _fingerprint(core)
+                solved = _solved_cores.get(key)
+                if solved is None:
+                    solved = _solve_core(core)
+                    if solved is not None:
+                        _solved_cores[key] = solved
+                        while len(_solved_cores) > CORE_MEMORY:
+                            _solved_cores.popitem(last=False)
+                else:
+                    _solved_cores.move_to_end(key)
             if solved is not None:
                 records.append(("core", solved.choice))
                 stats.core, stats.core_variables = len(alive), size
