@@ -10,6 +10,9 @@ For every model (a tiny configuration: 2 layers, width 64) on the mesh ``(dp=2, 
   jaxpar's cost model (``plan.step_time()``) and in the yardstick of the compiled HLO
   (:func:`jaxpar.inspect.yardstick`), under the H100 preset (a GPU-like machine: what the plans
   are for) and, when given, a calibrated profile of this machine;
+* the compiled program's collective count beside the plan's, after XLA:CPU's combiner (the
+  plan priced under the ``cpu`` preset: comparable with a program compiled here) and after
+  XLA:GPU's (the H100 profile, which also combines all-gathers and reduce-scatters);
 * whether jaxpar warned about primitives it has no rule for.
 
 Run: ``python bench/zoo_bench.py [--quick] [--models lm1b,gemma]``; writes
