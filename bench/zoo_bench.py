@@ -10,6 +10,9 @@ For every model (a tiny configuration: 2 layers, width 64) on the mesh ``(dp=2, 
   jaxpar's cost model (``plan.step_time()``) and in the yardstick of the compiled HLO
   (:func:`jaxpar.inspect.yardstick`), under the H100 preset (a GPU-like machine: what the plans
   are for) and, when given, a calibrated profile of this machine;
+* the compiled program's collective count beside the plan's, after XLA:CPU's combiner (the
+  plan priced under the ``cpu`` preset: comparable with a program compiled here) and after
+  XLA:GPU's (the H100 profile, which also combines all-gathers and reduce-scatters);
 * whether jaxpar warned about primitives it has no rule for.
 
 Run: ``python bench/zoo_bench.py [--quick] [--models lm1b,gemma]``; writes
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -80,7 +84,9 @@ def train_step_plan(case, label: str, mesh, profiles: dict) -> dict:
     out = {"jaxpar_s": t1 - t0, "trace_s": entry.timings["trace"],
            "search_s": entry.timings["search"], "xla_compile_s": t2 - t1,
            "ops": entry.program.graph.count("op"),
-           "collectives": jaxpar.inspect.collectives(compiled).count()}
+           "collectives": jaxpar.inspect.collectives(compiled).count(),
+           "predicted": _count(entry.plan),
+           "predicted_cpu": _count(_repriced(step, args, mesh, label, case, entry.plan))}
     for name, hw in profiles.items():
         # the plan priced under each profile: the search ran under the first; the others
         # re-plan with the same options, so that jaxpar's prediction is its own under `hw`
@@ -91,6 +97,25 @@ def train_step_plan(case, label: str, mesh, profiles: dict) -> dict:
                      "yardstick_comm_s": y.communication_s,
                      "memory_mib": y.memory_bytes / 2**20}
     return out
+
+
+def _count(plan) -> int:
+    """Collectives the plan predicts, after the combiners of its profile."""
+    return int(sum(v["count"] for v in plan.communication_summary().values()))
+
+
+def _repriced(step, args, mesh, label: str, case, plan):
+    """The same plan (its strategies, from a strategy file) priced under the ``cpu`` preset:
+    combined as XLA:CPU combines (all-reduces only), so that its collective count compares
+    with the program compiled here; the H100 profile combines as XLA:GPU does (all-gathers and
+    reduce-scatters too)."""
+    cpu = jaxpar.HardwareProfile(preset="cpu")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "plan.json")
+        plan.save(path)
+        with jaxpar.auto_parallel_context(strategy_ckpt_load_file=path):
+            return jaxpar.parallelize(step, mesh=mesh,
+                                      **bp.plan_options(case, label, cpu)).plan(*args)
 
 
 def run(names, quick: bool, out_dir: str, calibrated: str | None) -> dict:
@@ -149,11 +174,15 @@ def table(results: list[dict], labels, profiles: list[str]) -> list[str]:
              "XLA = compile (s); model and yardstick: simulated us per step under each profile "
              "(jaxpar's `plan.step_time()`; the compiled HLO priced, "
              "`jaxpar.inspect.yardstick`); auto / best hand = the yardstick of the plan over the"
-             " better of data parallel and the hand plan.", "",
+             " better of data parallel and the hand plan. HLO collectives: of the program "
+             "compiled here (XLA:CPU); predicted: the plan's count after XLA:CPU's combiner "
+             "(the same plan priced under the `cpu` preset: comparable with the HLO count) and "
+             "after XLA:GPU's (the H100 profile the plan was made for).", "",
              "| model | plan | loss diff | grad diff | jaxpar s | XLA s | HLO collectives | "
+             "predicted (cpu / h100 combiner) | "
              + " | ".join(f"{p} model us | {p} yardstick us" for p in profiles)
              + " | auto / best hand |",
-             "|---|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(profiles) + "---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(profiles) + "---:|"]
     for r in results:
         if "skipped" in r:
             lines.append(f"| {r['model']} | not run: {r['skipped']} |")
@@ -174,7 +203,8 @@ def table(results: list[dict], labels, profiles: list[str]) -> list[str]:
                      if label.startswith("auto") else "")
             lines.append(f"| {r['model']} | {name} | {n['loss_diff']:.1e} | {n['grad_diff']:.1e}"
                          f" | {e['jaxpar_s']:.2f} | {e['xla_compile_s']:.2f} | "
-                         f"{e['collectives']} | {cells} | {ratio} |")
+                         f"{e['collectives']} | {e['predicted_cpu']} / {e['predicted']} | "
+                         f"{cells} | {ratio} |")
         if r["warnings"]:
             lines.append(f"| {r['model']} | warnings: {'; '.join(r['warnings'])} |")
     return lines

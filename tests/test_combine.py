@@ -135,3 +135,36 @@ def test_combining_never_makes_a_cycle():
     s = plan.summary()
     # One network stream: the step takes at least every collective's time.
     assert s["step_time_s"] >= s["communication_s"] > 0
+
+
+def _per_kind_and_axes(items) -> dict:
+    out: dict = {}
+    for kind, axes, count in items:
+        key = (kind, tuple(sorted(axes or ())))
+        out[key] = out.get(key, 0) + count
+    return out
+
+
+@pytest.mark.parametrize("how", ["dynamic_programming", "batch on mp, sequence on dp"])
+def test_a_reduction_split_over_two_dimensions_all_reduces_per_axis(how):
+    """A transformer block's gradient on (dp, mp) whose weight gradients contract a batch and
+    a sequence split over different axes: XLA reduces over one axis, then the other (two
+    all-reduces, each combined with the others over its axis), not once over both; the plan
+    predicts the compiled collectives per kind and axes (this case once predicted a third,
+    joint all-reduce over (dp, mp))."""
+    params, x = models.init_block(jax.random.key(0), batch=4, seq=8, d=32, ff=64)
+    grad = jax.grad(models.block_loss)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    if how == "dynamic_programming":
+        options = dict(parallel_mode="auto_parallel", search_mode=how)
+    else:
+        options = dict(parallel_mode="semi_auto_parallel", in_strategy=(
+            {k: tuple(1 for _ in v.shape) for k, v in params.items()}, (4, 2, 1)))
+    step = jaxpar.parallelize(grad, mesh=mesh, hardware=jaxpar.HardwareProfile(), **options)
+    plan = step.plan(params, x)
+    compiled = jaxpar.inspect.collectives(step.lower(params, x).compile())
+    got = _per_kind_and_axes((r.kind, r.axes, r.count) for r in compiled)
+    assert got == _per_kind_and_axes((c.kind, c.axes, c.count)
+                                     for c in plan.predicted_collectives()), compiled.table()
+    assert ("all-reduce", ("mp",)) in got and ("all-reduce", ("dp",)) in got
+    assert ("all-reduce", ("dp", "mp")) not in got

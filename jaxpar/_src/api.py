@@ -142,8 +142,8 @@ class Parallelized:
         """The ``jax.stages.Lowered`` program; ``.compile().as_text()`` is the partitioned HLO."""
         args = self._info.bind(args, kwargs)
         entry = self._compiled(args)
-        with paused_gc():
-            return entry.jitted.lower(*self._placed(args, entry))
+        with paused_gc():  # shapes and layouts only: lowering moves no data
+            return entry.jitted.lower(*self._placed(args, entry, _abstract))
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
@@ -167,13 +167,15 @@ class Parallelized:
         return self._compiled(self._info.bind(args, kwargs))
 
     # -- internals ----------------------------------------------------------------------------
-    def _placed(self, args: tuple, entry: Compiled) -> list:
+    def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
+                ) -> list:
         """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
-        e.g. batches on another mesh, are resharded)."""
+        e.g. batches on another mesh, are resharded); with ``place``, what it makes of each."""
         static = self._info.static_argnums
         dyn = [a for i, a in enumerate(args) if i not in static]
         leaves, tree = jax.tree.flatten(dyn)
-        placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
+        place = place or _place
+        placed = [place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
         it = iter(jax.tree.unflatten(tree, placed))
         return [a if i in static else next(it) for i, a in enumerate(args)]
 
@@ -483,6 +485,14 @@ def _mesh_context(mesh: Mesh) -> Iterator[None]:
     (tracing gets the abstract mesh from ``tracing_with``)."""
     with jax.set_mesh(mesh):
         yield
+
+
+def _abstract(x: Any, sharding: Any) -> Any:
+    """An array as its shape, dtype and the plan's layout (what ``lower`` needs: moving the
+    data there would compile and run resharding programs for nothing)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    return x
 
 
 def _place(x: Any, sharding: Any) -> Any:

@@ -144,23 +144,27 @@ class CostModel:
     def op_collectives(self, strategy: OpStrategy, out_shapes: Sequence[tuple[int, ...]],
                        out_dtypes: Sequence[Any], *, bucket: float = 0.0
                        ) -> tuple[Collective, ...]:
-        """The all-reduces that combine partial results of a split reduction factor, one per
-        result.
+        """The all-reduces that combine partial results of split reduction factors, one per
+        result and factor: XLA's partitioner reduces each split contracting (or reduced)
+        dimension over its own mesh axes, one after the other (a weight gradient contracted
+        over a batch split on ``dp`` and a sequence split on ``mp`` is all-reduced over ``dp``,
+        then over ``mp``; the combiner then merges each with the others over the same axes).
 
         ``bucket``: the size of the combined all-reduce each travels in (gradients on their way
         to the optimizer, which XLA's combiner merges), 0 when it runs alone.
         """
         if not strategy.partial:
             return ()
-        axes = tuple(a for a, _ in strategy.partial)
-        reduction = strategy.partial[0][1]
+        reduction = dict(strategy.partial)
+        groups = [axes for axes in strategy.factor_axes if axes and axes[0] in reduction]
         out = []
         for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
             nbytes = math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
-            c = self.collective("all-reduce", nbytes, axes, bucket=bucket,
-                                reduction=reduction, dtype=_dtype_name(dtype))
-            if c.wire_bytes > 0:
-                out.append(c)
+            for axes in groups:
+                c = self.collective("all-reduce", nbytes, axes, bucket=bucket,
+                                    reduction=reduction[axes[0]], dtype=_dtype_name(dtype))
+                if c.wire_bytes > 0:
+                    out.append(c)
         return tuple(out)
 
     def op_cost(self, rule: FactorRule, strategy: OpStrategy,

@@ -34,7 +34,9 @@ References: MindSpore ``auto_parallel/dp_algo_costmodel.cc``, ``graph_costmodel.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import heapq
 
 import numpy as np
@@ -49,6 +51,12 @@ WORK_LIMIT = 4e6  # largest table (candidate triples) an exact elimination may b
 # HiGHS on one core.  Beyond it, star eliminations shrink the graph until it fits.
 CORE_VARIABLES = 40_000
 CORE_TIME_LIMIT = 20.0  # seconds (a safety: the relaxation of such a program takes one)
+# Final graphs solved lately, by content: the polishing passes re-solve the same problem (a
+# refinement that keeps every candidate), and a final graph's integer program is most of an
+# elimination's time (a second of a ResNet's search).  The answer is a function of the
+# tables alone, so remembering it changes no plan.
+CORE_MEMORY = 16
+_solved_cores: collections.OrderedDict[bytes, IlpResult] = collections.OrderedDict()
 
 
 @dataclasses.dataclass
@@ -63,6 +71,10 @@ class EliminationStats:
     core_variables: int = 0  # its integer program's size
     core_exact: bool = True  # its relaxation was integral (else: a neighbourhood's optimum)
     largest_table: int = 0  # entries of the largest table an elimination built
+    # A proven lower bound of the optimum (seconds, memory priced in): the plan's objective when
+    # exact; else the final graph's relaxation when no star elimination came before it (the
+    # exact eliminations lose nothing, so the final graph's optimum is the problem's); None.
+    bound: float | None = None
 
     @property
     def exact(self) -> bool:
@@ -145,11 +157,24 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
             # enough; else look again once star eliminations have shrunk it by a quarter.
             core = _core_problem(problem, alive, cost, edges)
             size = ilp_variables(core, limit=core_variables, seen=counted)
-            solved = _solve_core(core) if size <= core_variables else None
+            solved = None
+            if size <= core_variables:  # (digesting a core too large to solve is waste)
+                key = _fingerprint(core)
+                solved = _solved_cores.get(key)
+                if solved is None:
+                    solved = _solve_core(core)
+                    if solved is not None:
+                        _solved_cores[key] = solved
+                        while len(_solved_cores) > CORE_MEMORY:
+                            _solved_cores.popitem(last=False)
+                else:
+                    _solved_cores.move_to_end(key)
             if solved is not None:
                 records.append(("core", solved.choice))
                 stats.core, stats.core_variables = len(alive), size
                 stats.core_exact = solved.optimal
+                if not stats.star and not solved.optimal:
+                    stats.bound = solved.bound
                 break
             recheck = (3 * len(alive)) // 4
         while v is None:  # every node is costly or has three or more neighbours
@@ -239,7 +264,11 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
         else:
             _, _, u, w, best = rec
             choice[v] = int(best[choice[u], choice[w]])
-    return {r: int(choice[r]) for r in problem.reps}, stats
+    out = {r: int(choice[r]) for r in problem.reps}
+    if stats.exact:
+        stats.bound = problem.objective(out) + memory_price * sum(
+            float(problem.mem[r][out[r]]) for r in problem.reps)
+    return out, stats
 
 
 def _core_problem(problem: Problem, alive: set[int], cost: dict[int, np.ndarray],
@@ -250,6 +279,20 @@ def _core_problem(problem: Problem, alive: set[int], cost: dict[int, np.ndarray]
         cost={r: cost[r] for r in reps}, mem={r: np.zeros(len(cost[r])) for r in reps},
         edges={k: m for k, m in edges.items() if k[0] in alive and k[1] in alive},
         forced={}, groups=[], members=None)
+
+
+def _fingerprint(core: Problem) -> bytes:
+    """A digest of a final graph's cost tables (nodes, their costs, edges and theirs)."""
+    h = hashlib.blake2b(digest_size=20)
+    for r in core.reps:
+        c = np.ascontiguousarray(core.cost[r], dtype=float)
+        h.update(np.array([r, c.size], dtype=np.int64).tobytes())
+        h.update(c.tobytes())
+    for (u, v) in sorted(core.edges):
+        m = np.ascontiguousarray(core.edges[(u, v)], dtype=float)
+        h.update(np.array([u, v, *m.shape], dtype=np.int64).tobytes())
+        h.update(m.tobytes())
+    return h.digest()
 
 
 def _solve_core(core: Problem) -> IlpResult | None:

@@ -11,6 +11,7 @@ The last three are solvers of the coarse problem in the frame of ``auto.py``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,7 +24,12 @@ from jaxpar._src.search.auto import (
     with_memory_price,
 )
 from jaxpar._src.search.elimination import solve_elimination
-from jaxpar._src.search.optimal import IlpResult, ilp_variables, solve_optimal
+from jaxpar._src.search.optimal import (
+    IlpResult,
+    ilp_variables,
+    optimality_gap,
+    solve_optimal,
+)
 from jaxpar._src.search.polish import polish
 from jaxpar._src.search.problem import Problem
 from jaxpar._src.search.propagation import propagate
@@ -94,7 +100,7 @@ def _optimal(target: Problem, memory: Memory) -> Solution:
     solve = functools.partial(solve_optimal, target, time_limit=TIME_LIMIT,
                               fallback=lambda: dict(fast()), polish=polish,
                               good_enough=GOOD_ENOUGH, branch=variables <= BRANCH_VARIABLES)
-    result = solve()
+    result = _final_graph(target, variables, fast) or solve()
     cuts = []
     smallest = float("inf")
     for _ in range(0 if memory.roomy else MEMORY_CUTS):
@@ -109,6 +115,29 @@ def _optimal(target: Problem, memory: Memory) -> Solution:
             raise memory.refusal(smallest) from None
     notes = () if result.optimal else (_unproven(result),)
     return Solution(result.choice, result.optimal, notes)
+
+
+def _final_graph(target: Problem, variables: int, fast: Callable[[], dict[int, int]]
+                 ) -> IlpResult | None:
+    """The exact eliminations of ``elimination.py`` first (leaves, chains, pairs: they lose
+    nothing, so the optimum of the final graph they leave is the problem's), then the integer
+    program of that final graph, smaller than the whole one and with a relaxation at least as
+    tight: the proven optimum when the relaxation is integral; else the relaxation bounds the
+    optimum, and the plan is the cheapest of the final graph's relaxation neighbourhood and
+    the recursive plan, polished.  None (solve the whole program) when a star elimination had
+    to come first (no bound), or when the program is small enough to branch and the plan is
+    more than :data:`GOOD_ENOUGH` above the bound."""
+    choice, stats = solve_elimination(target, core_variables=OPTIMAL_VARIABLES)
+    if stats.exact:
+        return IlpResult(choice, target.objective(choice), True, 0.0, variables, 0)
+    if stats.bound is None:
+        return None
+    best = min((polish(target, choice), dict(fast())), key=target.objective)
+    objective = target.objective(best)
+    gap = optimality_gap(objective, stats.bound)
+    if variables <= BRANCH_VARIABLES and gap > GOOD_ENOUGH:
+        return None
+    return IlpResult(best, objective, False, gap, variables, 0, stats.bound)
 
 
 def _unproven(result: IlpResult) -> str:

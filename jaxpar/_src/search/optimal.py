@@ -27,6 +27,9 @@ from jaxpar._src.search.problem import Problem
 
 # Largest integer program solved by branch and bound over a relaxation's neighbourhood.
 NEIGHBOURHOOD_VARIABLES = 20_000
+# Edge tables with at most this many rows are grouped by a dict of rows (most of them: an
+# operator has 1 to 27 candidates on meshes of one or two axes), larger ones by projections.
+SMALL_TABLE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,7 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Ro
     feasible = [p for p in plans if p is not None and program.feasible(p)]
     best = min(feasible, key=problem.objective, default=None)
     if best is not None and (not branch or (
-            bound is not None and _gap(problem.objective(best), bound) <= good_enough)):
+            bound is not None and optimality_gap(problem.objective(best), bound) <= good_enough)):
         return program.result(best, optimal=False, bound=bound)
     res = program.solve(integer=True, time_limit=time_limit)
     if res.x is not None:
@@ -261,12 +264,12 @@ class _Program:
     def result(self, choice: dict[int, int], *, optimal: bool, bound: float | None
                ) -> IlpResult:
         objective = self.problem.objective(choice)
-        gap = 0.0 if optimal or bound is None else _gap(objective, bound)
+        gap = 0.0 if optimal or bound is None else optimality_gap(objective, bound)
         return IlpResult(choice, objective, optimal, gap if not optimal else 0.0,
                          self.total, self.constraints, bound)
 
 
-def _gap(objective: float, bound: float) -> float:
+def optimality_gap(objective: float, bound: float) -> float:
     """How far ``objective`` may be above the optimum, relative to it: at most this much."""
     if objective <= 0:
         return 0.0
@@ -290,6 +293,8 @@ def _classes(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first appearance) and one row per class."""
     if m.shape[0] == 0 or m.shape[1] == 0:  # no rows, or rows that are all alike
         return np.zeros(m.shape[0], dtype=np.int64), m[:1]
+    if m.shape[0] <= SMALL_TABLE:  # a few rows: a dict of their bytes is ten times faster
+        return _classes_by_bytes(m)
     # Rows are grouped by two random projections (sorting numbers, not rows), then checked:
     # equal projections of unequal rows (a collision) fall back to comparing bytes.
     finite = np.where(np.isfinite(m), m, 1e300)

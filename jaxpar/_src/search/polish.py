@@ -87,8 +87,12 @@ def refine(problem: Problem, choice: dict[int, int], keep: int = 8) -> dict[int,
             local += edge_rows(problem, r, u)[:, choice[u]]
         ranked = [int(k) for k in np.argsort(local, kind="stable")[:keep]]
         ranked += [int(k) for k in np.argsort(problem.cost[r], kind="stable")[:keep]]
-        kept[r] = np.array(list(dict.fromkeys([choice[r]] + ranked)), dtype=np.int64)
-    picked, _ = solve_elimination(problem.restricted(kept))
+        # In candidate order: a node keeping all its candidates then keeps them as they were,
+        # and when every node does, the sub-problem is the problem itself, whose elimination's
+        # final graph was solved before (elimination.py remembers it).
+        kept[r] = np.unique([choice[r]] + ranked).astype(np.int64)
+    whole = all(len(kept[r]) == len(problem.cands[r]) for r in problem.reps)
+    picked, _ = solve_elimination(problem if whole else problem.restricted(kept))
     refined = {r: int(kept[r][picked[r]]) for r in problem.reps}
     return refined if problem.objective(refined) < problem.objective(choice) else choice
 
