@@ -32,7 +32,7 @@ chromium:  ## Install Chromium (apt, as root) when it is missing; the report tes
 test: $(STAMP) chromium  ## Run the whole suite: lint, types, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --doctest-modules jaxpar tests
+	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --durations=25 --doctest-modules jaxpar tests
 	$(MAKE) --no-print-directory notebooks
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
