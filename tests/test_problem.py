@@ -130,3 +130,24 @@ def test_calibration_keeps_only_prices_the_bucket_does_not_change():
         assert alone.op_cost(n, c) == fresh_alone.op_cost(n, c), (n, c)
         changed += space.op_cost(n, c) != was
     assert changed  # some deferred operator's all-reduce is priced in the new bucket
+
+
+def test_layer_groups_are_found_only_when_asked_and_are_the_eager_ones(monkeypatch):
+    """A search of a graph too small to share strategies across layers never pays for the
+    layer groups; asked for, they are the groups found at build time (issue 14)."""
+    from jaxpar._src.search import problem as problem_mod
+
+    graph = _stack_graph(3)
+    built = _problem(graph)
+    assert not built.groups.found
+    space = built.space
+    eager = problem_mod._layer_groups(space, built.reps, built.cands, built.forced)
+    assert eager and list(built.groups) == eager and built.groups.found
+
+    calls = []
+    find = problem_mod._layer_groups
+    monkeypatch.setattr(problem_mod, "_layer_groups", lambda *a: calls.append(1) or find(*a))
+    params, x = models.init_block(jax.random.key(0))
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(jax.grad(models.block_loss), mesh=mesh, parallel_mode="auto_parallel")
+    assert f.plan(params, x).decisions and not calls
