@@ -239,31 +239,68 @@ def _spawn(kind: str, layers: int, plan_dir: str, xla_dir: str, specs: str) -> d
         return json.load(f)
 
 
-def first_call_rows(sizes: list[int]) -> list[dict]:
-    """Per size, fresh processes: jaxpar and jax.jit with empty caches, then both again with
-    the caches the first processes filled."""
+def _pair(layers: int, run: int, ours: dict, jit: dict, repeat: int, jit_first: bool) -> dict:
+    return {"layers": layers, "run": run, "repeat": repeat, "jit_first": jit_first,
+            "ops": ours["ops"], "jaxpar_s": ours["first_call_s"], "jit_s": jit["first_call_s"],
+            "ratio": ours["first_call_s"] / jit["first_call_s"],
+            "plan_cache_hit": ours["plan_cache_hit"],
+            "xla_cache": ours.get("xla_cache", {}), "jit_xla_cache": jit.get("xla_cache", {}),
+            "phases": {k: ours.get(k, 0.0) for k in (
+                "trace_s", "plan_s", "jax_trace_s", "to_mlir_s", "xla_compile_s")},
+            "jit_phases": {k: jit.get(k, 0.0) for k in (
+                "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
+
+
+def first_call_rows(sizes: list[int], repeats: int = 3) -> list[dict]:
+    """Per size and repeat, fresh processes and fresh caches: jaxpar and jax.jit with empty
+    caches, then both again with the caches the first processes filled.  The order alternates
+    between repeats (jaxpar first, then jax.jit first): on a shared machine whichever process
+    runs second meets warmer files and a different load, and a fixed order biased the ratio.
+    jax.jit is given the shardings of the first repeat's plan (the search is deterministic)."""
     rows = []
     for layers in sizes:
-        with tempfile.TemporaryDirectory(prefix="jaxpar-first-call-") as tmp:
-            specs = os.path.join(tmp, "specs.json")
-            dirs = {k: os.path.join(tmp, k) for k in ("plans", "xla-jaxpar", "xla-jit")}
-            for run in (1, 2):
-                ours = _spawn("jaxpar", layers, dirs["plans"], dirs["xla-jaxpar"], specs)
-                jit = _spawn("jit", layers, dirs["plans"], dirs["xla-jit"], specs)
-                row = {"layers": layers, "run": run, "ops": ours["ops"],
-                       "jaxpar_s": ours["first_call_s"], "jit_s": jit["first_call_s"],
-                       "ratio": ours["first_call_s"] / jit["first_call_s"],
-                       "plan_cache_hit": ours["plan_cache_hit"],
-                       "xla_cache": ours.get("xla_cache", {}),
-                       "jit_xla_cache": jit.get("xla_cache", {}),
-                       "phases": {k: ours.get(k, 0.0) for k in (
-                           "trace_s", "plan_s", "jax_trace_s", "to_mlir_s", "xla_compile_s")},
-                       "jit_phases": {k: jit.get(k, 0.0) for k in (
-                           "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
-                rows.append(row)
-                print(f"first call, {layers} layers, run {run}: jaxpar {row['jaxpar_s']:.1f}s, "
-                      f"jax.jit {row['jit_s']:.1f}s", flush=True)
+        with tempfile.TemporaryDirectory(prefix="jaxpar-first-call-") as keep:
+            specs = os.path.join(keep, "specs.json")
+            for repeat in range(repeats):
+                jit_first = repeat % 2 == 1 and os.path.exists(specs)
+                with tempfile.TemporaryDirectory(prefix="jaxpar-first-call-") as tmp:
+                    dirs = {k: os.path.join(tmp, k) for k in ("plans", "xla-jaxpar", "xla-jit")}
+                    for run in (1, 2):
+                        got = {}
+                        for kind in (("jit", "jaxpar") if jit_first else ("jaxpar", "jit")):
+                            xla = dirs["xla-jaxpar" if kind == "jaxpar" else "xla-jit"]
+                            got[kind] = _spawn(kind, layers, dirs["plans"], xla, specs)
+                        row = _pair(layers, run, got["jaxpar"], got["jit"], repeat, jit_first)
+                        rows.append(row)
+                        print(f"first call, {layers} layers, repeat {repeat}, run {run}"
+                              f"{' (jax.jit first)' if jit_first else ''}: jaxpar "
+                              f"{row['jaxpar_s']:.1f}s, jax.jit {row['jit_s']:.1f}s, XLA "
+                              f"compile {row['phases']['xla_compile_s']:.2f}s against "
+                              f"{row['jit_phases']['xla_compile_s']:.2f}s", flush=True)
     return rows
+
+
+def _median_rows(rows: list[dict]) -> list[dict]:
+    """One row per size and run: the median over repeats of each time and of each ratio."""
+    out = []
+    for key in dict.fromkeys((r["layers"], r["run"]) for r in rows):
+        group = [r for r in rows if (r["layers"], r["run"]) == key]
+        med = statistics.median
+        first = [r for r in rows if (r["layers"], r["run"]) == (key[0], 1)]
+        again = [r["jaxpar_s"] / f["jaxpar_s"] for r, f in zip(group, first, strict=True)]
+        out.append(group[0] | {
+            "repeats": len(group), "jaxpar_s": med(r["jaxpar_s"] for r in group),
+            "jit_s": med(r["jit_s"] for r in group), "ratio": med(r["ratio"] for r in group),
+            "ratio_min": min(r["ratio"] for r in group),
+            "ratio_max": max(r["ratio"] for r in group),
+            "again": med(again) if key[1] == 2 else None,
+            "compile_ratio": med(r["phases"]["xla_compile_s"]
+                                 / max(r["jit_phases"]["xla_compile_s"], 1e-9) for r in group),
+            "plan_cache_hit": all(r["plan_cache_hit"] for r in group),
+            "phases": {k: med(r["phases"][k] for r in group) for k in group[0]["phases"]},
+            "jit_phases": {k: med(r["jit_phases"][k] for r in group)
+                           for k in group[0]["jit_phases"]}})
+    return out
 
 
 def _hits(counts: dict) -> str:
@@ -274,36 +311,37 @@ def first_call_table(rows: list[dict]) -> list[str]:
     lines = ["## First call, fresh processes", "",
              "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel; jax.jit "
              "given the shardings jaxpar chose. Run 1: empty caches; run 2: jaxpar's plan cache "
-             "and JAX's compilation cache (a directory each) as run 1 left them. jaxpar's "
-             "phases: trace (its jaxpr and graph), plan (search, or plan cache), lower (JAX's "
-             "trace of the jitted function + StableHLO), XLA compile; seconds.", "",
-             "| layers | ops | run | jaxpar s | jax.jit s | ratio | run 2 / run 1 | plan cache | "
-             "trace | plan | lower | XLA compile | XLA cache hit/miss | jit's XLA compile | "
-             "jit's hit/miss |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
-    first = {}
-    for r in rows:
-        if r["run"] == 1:
-            first[r["layers"]] = r["jaxpar_s"]
+             "and JAX's compilation cache (a directory each) as run 1 left them. Each repeat "
+             "uses fresh caches and alternates which of the two runs first; medians over the "
+             "repeats (the ratio's range beside it). jaxpar's phases: trace (its jaxpr and "
+             "graph), plan (search, or plan cache), lower (JAX's trace of the jitted function "
+             "+ StableHLO), XLA compile; seconds. compile ratio: jaxpar's XLA compile over "
+             "jax.jit's, median of the repeats' ratios.", "",
+             "| layers | ops | run | repeats | jaxpar s | jax.jit s | ratio (range) | "
+             "run 2 / run 1 | plan cache | trace | plan | lower | XLA compile | "
+             "jit's XLA compile | compile ratio | XLA cache hit/miss | jit's hit/miss |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in _median_rows(rows):
         p, j = r["phases"], r["jit_phases"]
-        again = f"{r['jaxpar_s'] / first[r['layers']]:.2f}" if r["run"] == 2 else ""
+        again = f"{r['again']:.2f}" if r["again"] is not None else ""
         lines.append(
-            f"| {r['layers']} | {r['ops']} | {r['run']} | {r['jaxpar_s']:.1f} | {r['jit_s']:.1f} "
-            f"| {r['ratio']:.2f} | {again} | {'hit' if r['plan_cache_hit'] else 'miss'} | "
+            f"| {r['layers']} | {r['ops']} | {r['run']} | {r['repeats']} | {r['jaxpar_s']:.1f} "
+            f"| {r['jit_s']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f" | {again} | {'hit' if r['plan_cache_hit'] else 'miss'} | "
             f"{p['trace_s']:.1f} | {p['plan_s']:.1f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
-            f"{p['xla_compile_s']:.1f} | {_hits(r['xla_cache'])} | {j['xla_compile_s']:.1f} | "
-            f"{_hits(r['jit_xla_cache'])} |")
+            f"{p['xla_compile_s']:.2f} | {j['xla_compile_s']:.2f} | {r['compile_ratio']:.2f} | "
+            f"{_hits(r['xla_cache'])} | {_hits(r['jit_xla_cache'])} |")
     return lines
 
 
 def run(quick: bool, out_dir: str, sizes: list[int] | None = None,
-        per_call: bool = True) -> dict:
+        per_call: bool = True, repeats: int | None = None) -> dict:
     """Both tables; writes ``first_call.json`` and ``first_call.md`` to ``out_dir``."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     sizes = sizes or ([6, 24] if quick else [6, 24, 96])
     result = {"load_average": load, "cpus": os.cpu_count(),
               "per_call": per_call_rows(quick) if per_call else [],
-              "first_call": first_call_rows(sizes)}
+              "first_call": first_call_rows(sizes, repeats or (2 if quick else 3))}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "first_call.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -325,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--layers", type=int, nargs="*", help="first-call sizes (6 24 96)")
     parser.add_argument("--skip-per-call", action="store_true")
+    parser.add_argument("--repeats", type=int, help="fresh-cache repeats per size (3; 2 quick)")
     for name in ("--child", "--plan-dir", "--xla-dir", "--specs", "--row"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -333,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.row, "w") as f:
             json.dump(row, f)
         return row
-    return run(args.quick, args.out, args.layers, not args.skip_per_call)
+    return run(args.quick, args.out, args.layers, not args.skip_per_call, args.repeats)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,64 @@ def test_repeated_layers_are_priced_once():
                for r in six.reps)
     assert all((alone.edges[k] == six.edges[k]).all() for k in six.edges)
     assert recursive_plan(alone, 0.0) == recursive_plan(six, 0.0)
+
+
+def test_calibration_keeps_only_prices_the_bucket_does_not_change():
+    """After calibrating the bucket on the data-parallel baseline (as auto_parallel does), the
+    space still caches the prices that do not depend on the bucket; every operator and
+    candidate is priced exactly as a space built fresh with that bucket prices it, and so is
+    the space of gradient all-reduces priced alone (issue 14: the caches make the first call
+    cheaper, never a different plan)."""
+    from jaxpar._src.pins import baseline_pins
+    from jaxpar._src.search.propagation import propagate
+
+    def loss(ps, x):
+        for p in ps:
+            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
+
+    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(3)]
+    program = trace(step, (ps, jnp.ones((16, 32))))
+    mesh = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+    model = CostModel(mesh, HardwareProfile())
+    space = SearchSpace(program.graph, model)
+    ops = [n.id for n in program.graph.searchable()]
+    before = {(n, c): space.op_cost(n, c) for n in ops for c in space.candidates(n)}
+    base = propagate(space, baseline_pins(program, space, [1], [], api="test")).strategies
+    old = space.bucket_bytes
+    space.calibrate(base)
+    assert space.bucket_bytes != old and space.deferred  # the bucket moved: prices must too
+    fresh = SearchSpace(program.graph, model)
+    fresh._bucket = space.bucket_bytes
+    alone, fresh_alone = space.alone(), SearchSpace(program.graph, model)
+    fresh_alone._bucket = 0.0
+    changed = 0
+    for (n, c), was in before.items():
+        assert space.op_cost(n, c) == fresh.op_cost(n, c), (n, c)
+        assert alone.op_cost(n, c) == fresh_alone.op_cost(n, c), (n, c)
+        changed += space.op_cost(n, c) != was
+    assert changed  # some deferred operator's all-reduce is priced in the new bucket
+
+
+def test_layer_groups_are_found_only_when_asked_and_are_the_eager_ones(monkeypatch):
+    """A search of a graph too small to share strategies across layers never pays for the
+    layer groups; asked for, they are the groups found at build time (issue 14)."""
+    from jaxpar._src.search import problem as problem_mod
+
+    graph = _stack_graph(3)
+    built = _problem(graph)
+    assert not built.groups.found
+    space = built.space
+    eager = problem_mod._layer_groups(space, built.reps, built.cands, built.forced)
+    assert eager and list(built.groups) == eager and built.groups.found
+
+    calls = []
+    find = problem_mod._layer_groups
+    monkeypatch.setattr(problem_mod, "_layer_groups", lambda *a: calls.append(1) or find(*a))
+    params, x = models.init_block(jax.random.key(0))
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(jax.grad(models.block_loss), mesh=mesh, parallel_mode="auto_parallel")
+    assert f.plan(params, x).decisions and not calls

@@ -51,6 +51,7 @@ class SearchSpace:
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
+        self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
         self._deferred: frozenset[int] | None = None
         self._bucket: float | None = None
         self._siblings: dict[int, float] | None = None
@@ -74,7 +75,9 @@ class SearchSpace:
         cost = self._op_costs.get(key)
         if cost is None:
             node = self.graph.nodes[nid]
-            view = _shapes(self.graph, node)
+            view = self._views.get(nid)
+            if view is None:  # every candidate of a node, and every plan priced, asks again
+                view = self._views[nid] = _shapes(self.graph, node)
             rule = self.rule(nid)
             bucket = self.bucket_of(nid)
             signature = (rule, strategy, view[1], view[3], node.weight, bucket)
@@ -132,6 +135,8 @@ class SearchSpace:
         """This space with every gradient all-reduce priced on its own (no combining)."""
         other = SearchSpace(self.graph, self.model)
         other._rules = self._rules
+        other._views = self._views
+        other._signature_costs = self._signature_costs  # keyed on the bucket: still right
         other._deferred = self.deferred
         other._siblings = self._siblings
         other._bucket = 0.0
@@ -144,8 +149,10 @@ class SearchSpace:
         buckets = [c.nbytes for c in priced.collectives if c.deferred]
         if buckets:
             self._bucket = sum(buckets) / len(buckets)
-            self._op_costs.clear()
-            self._signature_costs.clear()
+            # Only the deferred operators' prices depend on the bucket; the signature prices
+            # are keyed on it, so they stay right (and the baseline's are reused).
+            deferred = self.deferred
+            self._op_costs = {k: c for k, c in self._op_costs.items() if k[0] not in deferred}
 
     def edge_weight(self, producer: int, consumer: int) -> float:
         """How often a layout change on this edge runs: once per run of the rarer end."""

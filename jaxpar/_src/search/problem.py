@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class Problem:
     edges: dict[tuple[int, int], np.ndarray]  # (u, v), u < v: seconds per candidate pair
     follow: dict[int, tuple[int, np.ndarray]]  # follower -> (rep, rep candidate -> own index)
     forced: dict[int, int]  # rep -> the only allowed candidate index (pins)
-    groups: list[list[int]]  # reps that may share one strategy
+    groups: Sequence[list[int]]  # reps that may share one strategy (found when asked)
     origins: dict[int, str]  # pin origins
     members: dict[int, tuple[int, ...]] | None = None  # quotient: the reps each node stands for
     # How much pricing the build did: nodes and layout-changing edges priced (each a
@@ -280,7 +280,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         edges[key] = edges[key] + m if key in edges else m
 
     forced = {r: 0 for r in reps if r in pinned}
-    groups = _layer_groups(space, reps, cands, forced)
+    at_build = (list(reps), dict(cands), dict(forced))  # as they are now, whenever asked
+    groups = LazyGroups(lambda: _layer_groups(space, at_build[0], at_build[1], at_build[2]))
     origins = {p.node: p.origin for p in pins}
     priced = {"nodes": len(vectors), "of_nodes": len(searchable), "edges": len(matrices),
               "of_edges": edges_between}
@@ -289,6 +290,36 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
 
 
 TIE_BREAK_S_PER_BYTE = 1e-21
+
+
+class LazyGroups(Sequence[list[int]]):
+    """The layer groups, found the first time they are asked for: only searches of graphs
+    large enough to share strategies across layers ask (``auto.py``), and finding them costs
+    a colour refinement over the whole graph (issue 14: the first call).
+
+    >>> g = LazyGroups(lambda: [[1, 2]])
+    >>> g.found, list(g), g.found
+    (False, [[1, 2]], True)
+    """
+
+    def __init__(self, find: Callable[[], list[list[int]]]) -> None:
+        self._find: Callable[[], list[list[int]]] | None = find
+        self._groups: list[list[int]] = []
+
+    @property
+    def found(self) -> bool:
+        return self._find is None
+
+    def _all(self) -> list[list[int]]:
+        if self._find is not None:
+            self._groups, self._find = self._find(), None
+        return self._groups
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 def _use_all_devices(options: tuple[OpStrategy, ...], mesh, contraction: bool
