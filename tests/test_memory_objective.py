@@ -96,3 +96,43 @@ def test_auto_level_under_a_binding_budget_takes_the_cheapest_that_fits(monkeypa
         assert plan.step_time() <= off.step_time() * (1 + 1e-9)
     with jaxpar.auto_parallel_context(**_level("auto")):
         assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_level_comes_before_recomputation(monkeypatch):
+    """Both automatic: the ZeRO levels are tried before recomputing anything (a level costs
+    little communication, recomputation costs compute); the compiled peak fits the budget."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    k = jax.random.split(jax.random.key(1), 3)
+    params = {"w1": jax.random.normal(k[0], (64, 256)) * 0.05,
+              "w2": jax.random.normal(k[1], (256, 64)) * 0.05}
+    tx = optax.adam(1e-2, eps=1e-3)
+    x = jax.random.normal(k[2], (2048, 64))
+    hidden = jaxpar.recompute(lambda w, x: jax.nn.relu(x @ w), policy="auto")
+
+    def step(params, opt_state, x):
+        def loss(p):
+            return jnp.mean((hidden(p["w1"], x) @ p["w2"] - x) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    args = (params, tx.init(params), x)
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+
+    def run(budget, config):
+        with jaxpar.auto_parallel_context(**config):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+            return f.plan(*args), jaxpar.inspect.memory(f.lower(*args).compile())["total"]
+
+    _, off = run(1e12, {})
+    _, level1 = run(1e12, _level("level1"))
+    assert level1 < off
+    budget = (off + level1) / 2
+    plan, compiled = run(budget, _level("auto"))
+    assert any(n.startswith("parallel optimizer: level1 chosen with this recompute choice")
+               for n in plan.notes), plan.notes
+    assert any(n.startswith("recompute block 0") and n.endswith(": none")
+               for n in plan.notes), plan.notes  # nothing recomputed: level 1 was enough
+    assert compiled <= budget, (compiled, budget)
