@@ -348,7 +348,23 @@ class Parallelized:
                                         inspect_flops(compiled))
             return self._rungs[key]
 
-        chosen, tried = choose(layers, budget, rung)
+        levels: dict[int, str] = {}
+
+        def joint(policies: tuple[str, ...]) -> Rung:
+            """With ``"optimizer_level": "auto"`` too, the ZeRO levels (off, 1, 3: least
+            communication first) come before recomputing more: the first that fits."""
+            opt = settings.optimizer
+            if opt is None or not opt.automatic:
+                return rung(policies)
+            for level in (0, 1, 3):
+                o = dataclasses.replace(opt, level=level) if level else None
+                r = rung(policies, dataclasses.replace(free, optimizer=o))
+                levels[id(r)] = f"level{level}" if level else "off"
+                if r.compiled_bytes <= budget:
+                    break
+            return r
+
+        chosen, tried = choose(layers, budget, joint)
         fallback = chosen is None
         if chosen is None:  # the search's own lever: memory priced in, all blocks full
             try:
@@ -360,6 +376,9 @@ class Parallelized:
             if chosen.compiled_bytes > budget:
                 raise refusal(info.api, layers, budget, chosen.compiled_bytes)
         notes = explain_choice(layers, budget, chosen, tried, fallback=fallback)
+        if id(chosen) in levels:
+            notes += (f"parallel optimizer: {levels[id(chosen)]} chosen with this recompute "
+                      f"choice (tried first at each rung: off, level1, level3)",)
         plan = dataclasses.replace(chosen.plan, notes=chosen.plan.notes + notes
                                    + remat_notes(chosen.program.graph))
         return chosen.program, chosen.batch, plan

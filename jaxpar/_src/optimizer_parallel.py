@@ -318,11 +318,17 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
     all-gather on CPU) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
     adds nothing to level 1 in a function's own step (its gradients are temporaries the plan
     already splits where the optimizer state needs them).  The choice is a note of the plan.
-    In ``auto_parallel`` the search itself fits the budget where it can (splitting the state
-    over any axis), so a level is taken only where the searched plan alone does not fit.
+
+    In ``auto_parallel`` the search fits the budget by itself where it can (memory priced in:
+    splitting activations and weights at a cost in communication), so an "off" plan that fits
+    may be one the budget squeezed (its notes say :data:`~jaxpar._src.search.auto.SQUEEZED`).
+    The levels are then planned too, and of the fitting plans within ``NEAR`` (1%) of the least
+    predicted step time (``plan.step_time()``) one the budget did not squeeze is taken, then
+    the one with the least memory, then the least communication.
 
     ``plan_for(setting)`` plans with ``setting`` (``None``: off)."""
     from jaxpar._src.errors import PlanError
+    from jaxpar._src.search.auto import NEAR, SQUEEZED
 
     tried: list[tuple[OptimizerParallel | None, Any]] = []
     refused: PlanError | None = None
@@ -333,17 +339,28 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
             refused = e
             continue
         tried.append((setting, plan))
-        if plan.memory_bytes <= budget:
+        if plan.memory_bytes <= budget and SQUEEZED not in plan.notes:
             break
+    if not tried:
+        assert refused is not None
+        raise refused
+    fitting = [t for t in tried if t[1].memory_bytes <= budget]
+    if fitting:  # of the fastest (within NEAR), one the budget did not squeeze, least memory
+        fastest = min(p.step_time() for _, p in fitting)
+        near = [t for t in fitting if t[1].step_time() <= fastest * (1 + NEAR)]
+        setting, plan = min(near, key=lambda t: (SQUEEZED in t[1].notes, t[1].memory_bytes))
     else:
-        if not tried:
-            assert refused is not None
-            raise refused
         setting, plan = min(tried, key=lambda t: t[1].memory_bytes)
     mib = 2.0**20
-    name = "off" if setting is None else f"level{setting.level}"
-    note = (f"parallel optimizer: {name} chosen ({plan.memory_bytes / mib:.1f} MiB "
-            f"predicted per device, budget {budget / mib:.1f} MiB; tried "
-            + ", ".join(f"{'off' if s is None else f'level{s.level}'} "
-                        f"{p.memory_bytes / mib:.1f} MiB" for s, p in tried) + ")")
+
+    def name(s: OptimizerParallel | None) -> str:
+        return "off" if s is None else f"level{s.level}"
+
+    note = (f"parallel optimizer: {name(setting)} chosen ({plan.memory_bytes / mib:.2f} MiB "
+            f"predicted per device, budget {budget / mib:.2f} MiB; tried "
+            + ", ".join(f"{name(s)} {p.memory_bytes / mib:.2f} MiB "
+                        f"{p.step_time() * 1e3:.3g} ms"
+                        + (" squeezed by the search" if SQUEEZED in p.notes else "")
+                        for s, p in tried)
+            + ("; the fastest that fits" if len(fitting) > 1 else "") + ")")
     return dataclasses.replace(plan, notes=plan.notes + (note,))

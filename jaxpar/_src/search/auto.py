@@ -27,6 +27,7 @@ from jaxpar._src.plan import _bytes
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.memory import MemoryEstimate, live_ranges, peak_memory, replicated_peak
+from jaxpar._src.search.polish import improve
 from jaxpar._src.search.problem import Problem, build_problem, quotient
 from jaxpar._src.search.propagation import propagate
 from jaxpar._src.search.registry import (
@@ -39,6 +40,10 @@ from jaxpar._src.search.registry import (
 from jaxpar._src.search.ties import prefer_names, split_inputs
 
 SHARE_LAYERS_ABOVE = 400  # coarse nodes: beyond this, repeated layers share strategies
+# The note of a plan the search had to fit into the memory budget (its fastest did not fit):
+# "optimizer_level": "auto" then weighs the ZeRO levels against it (optimizer_parallel.py).
+SQUEEZED = "memory budget binds: the search fitted the plan with memory priced in"
+NEAR = 0.01  # plans within 1% of the fastest step time tie on time: the least memory wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +108,7 @@ def priced(solve: Callable[[Problem, float], dict[int, int]]) -> Solver:
     def solver(target: Problem, memory: Memory) -> Solution:
         choice = solve(target, 0.0)
         if not memory.fits(choice):
-            choice = _fit_memory(target, choice, solve, memory)
+            return Solution(_fit_memory(target, choice, solve, memory), notes=(SQUEEZED,))
         return Solution(choice)
 
     return solver
@@ -153,24 +158,34 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
             problem, choice, optimal, notes = other
             strategies, objective = alternative, alternative_s
             notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
-    est = peak_memory(graph, strategies, mesh)
     details = _details(problem, choice)
-    baseline_s = None
-    used_baseline = False
-    if base is not None:
-        baseline_s = space.price(base).step_s
-        if baseline_s < objective * (1 - 1e-9) and (
-                roomy or peak_memory(graph, base, mesh).peak <= budget):
-            # The searches price combining and overlap locally (combine.py); priced whole,
-            # data parallel can still win, or use strategies fully_use_devices leaves out.
-            strategies, objective, details = base, baseline_s, {}
-            est = peak_memory(graph, strategies, mesh)
-            used_baseline, optimal = True, False
-            notes.append("pure data parallel was cheaper than the search's plan under "
-                         "the cost model, and is used")
-    if est.peak > budget:
-        raise Memory(problem, None, budget, roomy, search_mode).refusal(est.peak)
     pinned = {p.node for p in request.pins}
+
+    def option(name: str, plan: Mapping[int, OpStrategy]) -> _Option:
+        plan = split_inputs(space, plan, pinned)  # as each would end: compared as used
+        return _Option(name, plan, space.price(plan).step_s, peak_memory(graph, plan, mesh))
+
+    options = [option("search", strategies)]
+    lean = _lean(problem, choice)
+    if lean != choice:
+        options.append(option("lean", problem.expand(lean)))
+    baseline_s = None
+    if base is not None:
+        options.append(option("baseline", base))
+        baseline_s = options[-1].step_s
+    chosen, why = _choose(options, budget, roomy)
+    if chosen is None:
+        smallest = min(o.estimate.peak for o in options)
+        raise Memory(problem, None, budget, roomy, search_mode).refusal(smallest)
+    strategies, objective, est = chosen.strategies, chosen.step_s, chosen.estimate
+    used_baseline = chosen.name == "baseline"
+    if chosen.name != "search":
+        # a tie on time keeps the search's proof: the plan is as fast as the proven optimum
+        optimal = optimal if optimal and chosen.step_s <= options[0].step_s * (1 + 1e-9) \
+            else False
+        details = _details(problem, lean) if chosen.name == "lean" else {}
+    if why:
+        notes.append(why)
     if request.baseline_pins is not None:  # equal costs: batch on dp-like axes, weights mp-like
         batch = {p.node for p in request.baseline_pins
                  if p.origin == "data_parallel" and not p.strategy.out_specs[0].is_replicated}
@@ -189,6 +204,60 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
                           est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
     return SearchResult(Assignment(strategies, origins), search_mode, report, details)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """A finished plan the frame compares: the search's, its memory-lean polish, data
+    parallel."""
+
+    name: str
+    strategies: dict[int, OpStrategy]
+    step_s: float  # priced whole, as XLA runs it
+    estimate: MemoryEstimate
+
+
+def _lean(problem: Problem, choice: dict[int, int]) -> dict[int, int]:
+    """``choice`` polished by local search with memory priced in, at a price that makes the
+    bytes its results hold worth :data:`NEAR` of its time: moves that save memory for little
+    time (a layout held split where replicating it saves no communication)."""
+    objective = problem.objective(choice)
+    held = sum(float(problem.mem[r][choice[r]]) for r in problem.reps)
+    if objective <= 0.0 or held <= 0.0:
+        return choice
+    return improve(with_memory_price(problem, NEAR * objective / held), choice)
+
+
+def _choose(options: Sequence[_Option], budget: float, roomy: bool
+            ) -> tuple[_Option | None, str]:
+    """Of the plans that fit the budget, the one with the least predicted peak memory among
+    those within :data:`NEAR` of the fastest (the fastest when memory ties), and a note
+    saying why when that is not the search's own plan; ``None`` when none fits."""
+    fitting = [o for o in options if roomy or o.estimate.peak <= budget]
+    if not fitting:
+        return None, ""
+    fastest = min(fitting, key=lambda o: o.step_s)
+    chosen = fastest
+    for o in fitting:
+        if o.step_s <= fastest.step_s * (1 + NEAR) and \
+                o.estimate.peak < chosen.estimate.peak * (1 - 1e-6):
+            chosen = o
+    search = options[0]
+    mib = 2.0**20
+    if chosen is search:
+        return chosen, ""
+    what = {"lean": "the search's plan polished with memory priced in",
+            "baseline": "pure data parallel"}[chosen.name]
+    if chosen is fastest:
+        if chosen.name == "baseline":
+            return chosen, ("pure data parallel was cheaper than the search's plan under the "
+                            "cost model, and is used")
+        return chosen, f"{what} was cheaper, and is used"
+    return chosen, (
+        f"memory breaks the tie: {what} is used, {chosen.estimate.peak / mib:.2f} MiB "
+        f"predicted per device instead of {search.estimate.peak / mib:.2f} MiB, at "
+        f"{chosen.step_s / search.step_s - 1:+.2%} step time (plans within "
+        f"{NEAR:.0%} of the fastest tie on time; the least memory wins)")
 
 
 def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solver: Solver,

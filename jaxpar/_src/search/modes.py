@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxpar._src.errors import PlanError
 from jaxpar._src.search.auto import (
+    SQUEEZED,
     Memory,
     Solution,
     coarse_search,
@@ -113,7 +114,9 @@ def _optimal(target: Problem, memory: Memory) -> Solution:
             result = solve(extra_rows=cuts)
         except PlanError:  # the cuts admit no plan at all
             raise memory.refusal(smallest) from None
-    notes = () if result.optimal else (_unproven(result),)
+    notes: tuple[str, ...] = () if result.optimal else (_unproven(result),)
+    if cuts:
+        notes += (SQUEEZED,)
     return Solution(result.choice, result.optimal, notes)
 
 

@@ -1,0 +1,165 @@
+"""Memory as part of the search's objective: among plans of nearly equal time the least memory
+wins (``search/auto.py``: ``NEAR``), and under a binding budget ``"optimizer_level": "auto"``
+takes the cheapest ZeRO level that fits (``optimizer_parallel.choose_level``)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxpar
+from jaxpar._src.search import auto
+from tests import auto_models as am
+from tests.util import assert_tree_close
+
+TWO_LINKS = jaxpar.HardwareProfile(preset="a100", axis_bandwidth={"dp": 25e9, "mp": 300e9})
+
+
+def _auto(step, mesh, mode="optimal", hw=TWO_LINKS):
+    return jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel", search_mode=mode,
+                              hardware=hw)
+
+
+@pytest.mark.parametrize("fastest,expected", [
+    (0, "search"),  # memory equal: the fastest
+    (1, "lean"),  # within NEAR and smaller
+])
+def test_choose_prefers_memory_only_within_the_tolerance(fastest, expected):
+    from jaxpar._src.search.memory import MemoryEstimate
+
+    def option(name, step_s, peak):
+        return auto._Option(name, {}, step_s, MemoryEstimate(peak, 0.0, 0))
+
+    options = [option("search", 1.0, 100.0),
+               option("lean", 1.0 + auto.NEAR / 2, 100.0 if fastest == 0 else 90.0),
+               option("baseline", 1.0 + 2 * auto.NEAR, 10.0)]  # too slow: never a tie
+    chosen, why = auto._choose(options, budget=1e3, roomy=True)
+    assert chosen.name == expected
+    assert ("memory breaks the tie" in why) == (expected == "lean")
+    chosen, _ = auto._choose(options, budget=50.0, roomy=False)  # only data parallel fits
+    assert chosen.name == "baseline"
+    assert auto._choose(options, budget=5.0, roomy=False)[0] is None
+
+
+def _adam_mlp(d=64, h=256, batch=2048):
+    """An MLP train step whose fastest plan on 8 devices is data parallel (weights whole)."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (d, h)) * 0.05,
+              "w2": jax.random.normal(k[1], (h, d)) * 0.05}
+    tx = optax.adam(1e-2, eps=1e-3)
+    x, y = jax.random.normal(k[2], (batch, d)), jax.random.normal(k[3], (batch, d))
+
+    def loss(p, x, y):
+        return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, (params, tx.init(params), x, y)
+
+
+def _level(level, **config):
+    return dict(enable_parallel_optimizer=True, parallel_optimizer_config={
+        "optimizer_level": level, "parallel_optimizer_threshold": 0, **config})
+
+
+def test_auto_level_under_a_binding_budget_takes_the_cheapest_that_fits(monkeypatch):
+    """auto_parallel with ``"optimizer_level": "auto"``: where the budget binds, the search
+    squeezing the plan with the parallel optimizer off is weighed against the ZeRO levels, and
+    the fastest that fits is taken (before, "off" always won: the search fits by itself)."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    step, args = _adam_mlp()
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+
+    def run(budget, **config):
+        with jaxpar.auto_parallel_context(**config):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+            return f, f.plan(*args)
+
+    plans = {lv: run(1e12, **(_level(lv) if lv else {}))[1] for lv in (None, "level1", "level3")}
+    peaks = {lv: p.memory_bytes for lv, p in plans.items()}
+    assert peaks[None] > peaks["level1"] > peaks["level3"], peaks
+    for budget, chosen in (((peaks[None] + peaks["level1"]) / 2, "level1"),
+                           ((peaks["level1"] + peaks["level3"]) / 2, "level3")):
+        f, plan = run(budget, **_level("auto"))
+        note = plan.notes[-1]
+        assert note.startswith(f"parallel optimizer: {chosen} chosen"), plan.notes
+        assert "off" in note and "squeezed by the search" in note  # why: off was squeezed
+        assert plan.memory_bytes <= budget
+        with jaxpar.auto_parallel_context(**_level("auto")):
+            compiled = jaxpar.inspect.memory(f.lower(*args).compile())
+        assert compiled["total"] <= budget, (compiled, budget)
+        # no slower than the search squeezing the plan without the parallel optimizer
+        _, off = run(budget)
+        assert plan.step_time() <= off.step_time() * (1 + 1e-9)
+    with jaxpar.auto_parallel_context(**_level("auto")):
+        assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_level_comes_before_recomputation(monkeypatch):
+    """Both automatic: the ZeRO levels are tried before recomputing anything (a level costs
+    little communication, recomputation costs compute); the compiled peak fits the budget."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    k = jax.random.split(jax.random.key(1), 3)
+    params = {"w1": jax.random.normal(k[0], (64, 256)) * 0.05,
+              "w2": jax.random.normal(k[1], (256, 64)) * 0.05}
+    tx = optax.adam(1e-2, eps=1e-3)
+    x = jax.random.normal(k[2], (2048, 64))
+    hidden = jaxpar.recompute(lambda w, x: jax.nn.relu(x @ w), policy="auto")
+
+    def step(params, opt_state, x):
+        def loss(p):
+            return jnp.mean((hidden(p["w1"], x) @ p["w2"] - x) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    args = (params, tx.init(params), x)
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+
+    def run(budget, config):
+        with jaxpar.auto_parallel_context(**config):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                   hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+            return f.plan(*args), jaxpar.inspect.memory(f.lower(*args).compile())["total"]
+
+    _, off = run(1e12, {})
+    _, level1 = run(1e12, _level("level1"))
+    assert level1 < off
+    budget = (off + level1) / 2
+    plan, compiled = run(budget, _level("auto"))
+    assert any(n.startswith("parallel optimizer: level1 chosen with this recompute choice")
+               for n in plan.notes), plan.notes
+    assert any(n.startswith("recompute block 0") and n.endswith(": none")
+               for n in plan.notes), plan.notes  # nothing recomputed: level 1 was enough
+    assert compiled <= budget, (compiled, budget)
+
+
+def test_memory_breaks_a_tie_on_time(monkeypatch):
+    """A transformer block on a (2, 4) mesh priced by bytes alone (no latencies): the search's
+    plan polished with memory priced in costs 0.01% more time and holds less; it is used, and
+    XLA's compiled program needs no more than the search's own plan."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)  # both plans searched
+    hw = jaxpar.HardwareProfile(preset="h100", intra_node_latency=0.0, inter_node_latency=0.0,
+                                collective_latency=0.0)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    step, args = am.transformer_block(batch=8)
+
+    def run():
+        f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                               search_mode="dynamic_programming", hardware=hw)
+        return f, f.plan(*args), jaxpar.inspect.memory(f.lower(*args).compile())["total"]
+
+    f, plan, compiled = run()
+    assert any(n.startswith("memory breaks the tie") for n in plan.notes), plan.notes
+    with monkeypatch.context() as m:  # the same search without the tie-break
+        m.setattr(auto, "_lean", lambda problem, choice: choice)
+        _, plain, plain_compiled = run()
+    assert plan.step_time() <= plain.step_time() * (1 + auto.NEAR)
+    assert plan.memory_bytes < plain.memory_bytes
+    assert compiled <= plain_compiled, (compiled, plain_compiled)
+    assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
