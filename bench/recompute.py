@@ -26,13 +26,11 @@ import jax  # noqa: E402
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
 
-import optax  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 import gpt  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
 
@@ -42,24 +40,7 @@ BATCH = 128  # sequences per step: enough that activations, not weights, fill th
 def gpt_step(layers: int, policy: str):
     """``(train_step, args)``: ``examples/gpt.py``'s step with its blocks recomputed."""
     cfg = gpt.GPTConfig(layers=layers, annotate=False)  # the search decides every layout
-    model = gpt.GPT(cfg, nnx.Rngs(0))
-    for block in model.blocks:
-        jaxpar.recompute(block, policy=policy)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.adam(3e-3)
-    opt_state = tx.init(params)
-
-    def train_step(params, opt_state, batch):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(inputs)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    train_step, params, opt_state = gpt.make_train_step(cfg, recompute=policy)
     batch = next(gpt.batches(gpt.corpus(), BATCH, cfg.seq))
     return train_step, (params, opt_state, batch)
 

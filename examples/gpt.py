@@ -123,9 +123,14 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int = 0):
         yield np.stack([data[s:s + seq + 1] for s in starts])
 
 
-def make_train_step(cfg: GPTConfig, learning_rate: float = 3e-3, seed: int = 0):
-    """``(train_step, params, opt_state)`` for a pure ``train_step(params, opt_state, batch)``."""
+def make_train_step(cfg: GPTConfig, learning_rate: float = 3e-3, seed: int = 0,
+                    recompute: str | None = None):
+    """``(train_step, params, opt_state)`` for a pure ``train_step(params, opt_state, batch)``;
+    ``recompute``: every block marked ``jaxpar.recompute(block, policy=recompute)``."""
     model = GPT(cfg, nnx.Rngs(seed))
+    if recompute is not None:
+        for block in model.blocks:
+            jaxpar.recompute(block, policy=recompute)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adam(learning_rate)
     opt_state = tx.init(params)
