@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from jaxpar._src.errors import ContextError
+from jaxpar._src.modules import reclass_call
 
 POLICIES = ("none", "dots", "full")  # the automatic choice's menu, least recomputation first
 
@@ -182,16 +183,14 @@ def _mark_module(module: Any, policy: str | Callable) -> Any:
     from flax import nnx
 
     current = getattr(module, "recompute_policy", None)
-    if getattr(type(module), "_jaxpar_recomputed", False):
+    if hasattr(type(module), "_jaxpar_unrecomputed"):
         if current == policy:
             return module
         raise ContextError(
             f"jaxpar.recompute: this {type(module).__name__} is already recomputed with "
             f"policy {current!r}; like MindSpore's Cell.recompute() a module is configured "
             f"once. Build a new module to use policy {policy!r}.")
-    base = type(module)
-    marked = _RECOMPUTED.get(base)
-    if marked is None:
+    def wrap(base: type) -> Callable:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
             chosen = self.recompute_policy
             if chosen == "auto":
@@ -200,11 +199,8 @@ def _mark_module(module: Any, policy: str | Callable) -> Any:
                 return base.__call__(self, *args, **kwargs)
             return nnx.remat(base.__call__, policy=checkpoint_policy(chosen))(
                 self, *args, **kwargs)
+        return __call__
 
-        marked = _RECOMPUTED[base] = type(base.__name__, (base,), {
-            "__call__": __call__, "__module__": base.__module__,
-            "__qualname__": base.__qualname__, "_jaxpar_recomputed": True,
-            "__doc__": base.__doc__})
-    object.__setattr__(module, "__class__", marked)
+    reclass_call(module, _RECOMPUTED, "_jaxpar_unrecomputed", wrap)
     module.recompute_policy = policy
     return module

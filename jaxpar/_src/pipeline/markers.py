@@ -18,11 +18,13 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jaxpar._src.errors import ContextError
+from jaxpar._src.modules import reclass_call
 
 STAGE_SCOPE = "jaxpar_pipeline_stage_"
 _STAGE_RE = re.compile(STAGE_SCOPE + r"(\d+)")
@@ -102,19 +104,13 @@ _STAGED: dict[type, type] = {}
 def _mark_module(module: Any, stage: int) -> Any:
     """Gives ``module`` a subclass whose ``__call__`` runs under the stage's scope; the stage
     is a static attribute, so ``nnx.split``/``merge`` keep it."""
-    cls = type(module)
-    base = getattr(cls, "_jaxpar_unstaged", cls)
-    staged = _STAGED.get(base)
-    if staged is None:
+    def wrap(base: type) -> Callable:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
             with pipeline_stage(self.pipeline_stage):
                 return base.__call__(self, *args, **kwargs)
+        return __call__
 
-        staged = _STAGED[base] = type(base.__name__, (base,), {
-            "__call__": __call__, "__module__": base.__module__,
-            "__qualname__": base.__qualname__, "_jaxpar_unstaged": base,
-            "__doc__": base.__doc__})
-    object.__setattr__(module, "__class__", staged)
+    reclass_call(module, _STAGED, "_jaxpar_unstaged", wrap)
     module.pipeline_stage = stage
     return module
 
