@@ -195,3 +195,24 @@ def test_linen_module_class_is_rematerialized():
     assert "remat" in str(jax.make_jaxpr(jax.grad(loss(marked)))(variables))
     with pytest.raises(jaxpar.ContextError, match="pass its class"):
         jaxpar.recompute(Mlp())
+
+
+@pytest.mark.parametrize("order", ["stage-first", "recompute-first"])
+def test_a_module_staged_and_recomputed_keeps_both_marks(order):
+    from flax import nnx
+
+    from jaxpar._src.pipeline.markers import stage_of
+
+    m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    if order == "stage-first":  # restaging used to drop to the unrecomputed base class
+        jaxpar.pipeline_stage(1)(m)
+        jaxpar.recompute(m)
+    else:
+        jaxpar.recompute(m)
+        jaxpar.pipeline_stage(1)(m)
+    jaxpar.pipeline_stage(0)(m)
+    graphdef, params = nnx.split(m)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: nnx.merge(graphdef, p)(x).sum()))(
+        params, jnp.ones((2, 4)))
+    assert "remat" in str(jaxpr) or "checkpoint" in str(jaxpr)
+    assert {stage_of(str(e.source_info.name_stack)) for e in jaxpr.eqns} - {None} == {0}
