@@ -46,6 +46,10 @@ class Rung:
     plan: ShardingPlan
     compiled_bytes: float  # memory_analysis: argument + output - alias + temp, per device
     flops: float  # cost_analysis, per device
+    # The jitted function the rung was compiled from and its flat input shardings: the call
+    # of a chosen rung runs it, and jax.jit's caches hold the executable measured above.
+    jitted: Any = None
+    in_shardings: tuple[Any, ...] = ()
 
 
 def ladder(n: int) -> list[tuple[str, ...]]:
@@ -58,6 +62,17 @@ def ladder(n: int) -> list[tuple[str, ...]]:
     for level, below in zip(POLICIES[1:], POLICIES[:-1], strict=True):
         rungs.extend((level,) * k + (below,) * (n - k) for k in range(1, n + 1))
     return rungs
+
+
+def choice_key(layers: Sequence[str], budget: float) -> dict[str, Any]:
+    """What the choice depends on besides the program and settings, for the plan cache's key:
+    the blocks, the policies offered, the ladder's order and the budget.
+
+    >>> choice_key(["block (m.py:3)"], 2.0**20)["ladder"]
+    [['none'], ['dots'], ['full']]
+    """
+    return {"blocks": list(layers), "policies": list(POLICIES),
+            "ladder": [list(r) for r in ladder(len(layers))], "budget": float(budget)}
 
 
 def choose(layers: Sequence[str], budget: float, rung: Callable[[tuple[str, ...]], Rung]
