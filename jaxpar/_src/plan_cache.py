@@ -17,7 +17,12 @@ The key is a SHA-256 of everything a plan depends on:
   modes, the hardware profile, the algorithm parameters, the dataset strategy, the user's
   strategies (``in_strategy``, ``out_strategy``, ``parameter_plan``, ``batch_argnums``) and the
   registered operator rules;
-* jaxpar's version and a digest of its own source, JAX's and jaxlib's versions.
+* jaxpar's version and a digest of its own source, JAX's and jaxlib's versions;
+* for a program with ``jaxpar.recompute(policy="auto")`` blocks (keyed by its trace with nothing
+  recomputed), what the choice of their policies depends on besides: the blocks, the policies
+  offered, the ladder and the budget.  The entry keeps the chosen policies (``"choice"``) beside
+  the plan, so a later process traces the chosen program once and loads its plan instead of
+  climbing the ladder (``recompute_choice.py``).
 
 Change any of them and the key changes: the old entry is not read.  An entry that cannot be read
 (not JSON, another format, a plan that does not fit the program) is ignored with a

@@ -22,6 +22,14 @@ When no rung fits, the last (all ``full``) is searched again with memory priced 
 search's own lever, ``search/auto.py``); if that does not fit either, jaxpar raises with the
 budget and the fixes.  Rungs are memoised per ``parallelize``'d function, signature and
 settings, so a sweep of budgets compiles each rung once.
+
+The compile that measured the chosen rung is the one its calls run: a rung keeps its jitted
+function (``Rung.jitted``), lowered from the arguments placed as a call places them, so the
+call's ``jax.jit`` finds the lowering and executable in its caches; a first call compiles once
+per rung tried (``tests/test_recompute_compiles.py`` counts them).  With
+``jaxpar.config.plan_cache_dir`` the choice is kept beside the plan (``plan_cache.py``, keyed
+with :func:`choice_key` as well): a later process traces the stored policies and loads the plan
+instead of climbing.
 """
 
 from __future__ import annotations
