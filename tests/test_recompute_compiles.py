@@ -8,6 +8,7 @@ Compiles are counted with JAX's own event (jax.monitoring), numbers checked agai
 from __future__ import annotations
 
 import contextlib
+import json
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +148,7 @@ def test_each_rung_compiles_once_and_the_call_compiles_nothing(data, climbed):
 
 
 @_DONATION
-def test_the_plan_cache_keeps_the_choice(data, climbed, monkeypatch):
+def test_the_plan_cache_keeps_the_choice(data, climbed, cache_dir, monkeypatch):
     params, x, want, _ = data
     _, first, _, _ = climbed["tight"]
     searches = [0]
@@ -171,3 +172,12 @@ def test_the_plan_cache_keeps_the_choice(data, climbed, monkeypatch):
         plan = other.plan(params, x)
     assert not plan.notes[-1].startswith(HIT_NOTE) and searches[0] == _rungs_tried(plan) == 2
     assert _choice(plan) == ("dots", "none", "none")
+    # The roomy first call's entry, its choice spoilt: ignored with a warning, and replaced.
+    (entry,) = [e for e in cache_dir.iterdir()
+                if json.loads(e.read_text())["choice"] == ["none"] * LAYERS]
+    entry.write_text(entry.read_text().replace('"choice": ["none", "none", "none"]',
+                                               '"choice": ["some"]'))
+    with _budget(1e12), pytest.warns(jaxpar.JaxparWarning, match="recompute choice.*some"):
+        plan = _auto(climbed["mesh"]).plan(params, x)
+    assert _choice(plan) == ("none",) * LAYERS and not plan.notes[-1].startswith(HIT_NOTE)
+    assert json.loads(entry.read_text())["choice"] == ["none"] * LAYERS
