@@ -336,9 +336,9 @@ class Parallelized:
         cache_dir, entry_key = config.plan_cache_dir, None
         if cache_dir:
             entry_key = plan_cache_key(graph=base.graph, in_tree=base.in_tree,
-                                 out_tree=base.out_tree, signature=signature,
-                                 settings=settings, info=info,
-                                 choice=choice_key(layers, budget))
+                                       out_tree=base.out_tree, signature=signature,
+                                       settings=settings, info=info,
+                                       choice=choice_key(layers, budget))
             hit = self._cached_choice(args, settings, names, layers, base, base_batch,
                                       cache_dir, entry_key)
             if hit is not None:
