@@ -38,12 +38,21 @@ from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.plan_cache import load_cached, plan_cache_key, store_cached
+from jaxpar._src.plan_cache import (
+    CacheKey,
+    entry_choice,
+    entry_plan,
+    load_cached,
+    plan_cache_key,
+    read_entry,
+    store_cached,
+)
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
-from jaxpar._src.recompute import choosing
+from jaxpar._src.recompute import POLICIES, choosing
 from jaxpar._src.recompute_choice import (
     Rung,
+    choice_key,
     choose,
     cpu_memory_scheduler,
     explain_choice,
@@ -171,13 +180,7 @@ class Parallelized:
                 ) -> list:
         """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
         e.g. batches on another mesh, are resharded); with ``place``, what it makes of each."""
-        static = self._info.static_argnums
-        dyn = [a for i, a in enumerate(args) if i not in static]
-        leaves, tree = jax.tree.flatten(dyn)
-        place = place or _place
-        placed = [place(x, s) for x, s in zip(leaves, entry.in_shardings, strict=True)]
-        it = iter(jax.tree.unflatten(tree, placed))
-        return [a if i in static else next(it) for i, a in enumerate(args)]
+        return _placed_as(args, self._info.static_argnums, entry.in_shardings, place or _place)
 
     def _settings(self, args: tuple) -> Settings:
         ctx = current_context()
@@ -256,12 +259,12 @@ class Parallelized:
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
         # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
         cache_dir = config.plan_cache_dir
-        key = plan = None
+        key = plan = rung = None
         if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
-            # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py)
-            program, batch, plan = self._recompute_choice(args, settings, names, signature,
-                                                          layers)
-            cache_dir = None
+            # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py),
+            # kept in the plan cache with the plan
+            program, batch, plan, rung = self._recompute_choice(args, settings, names,
+                                                                signature, layers, program, batch)
         elif cache_dir and not settings.ckpt_load and \
                 settings.mode is not ParallelMode.STAND_ALONE:
             key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
@@ -277,10 +280,13 @@ class Parallelized:
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
-        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                     for n in program.graph.inputs]
-        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-        jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
+        if rung is not None:  # the chosen rung's jitted function, its executable compiled
+            jitted, flat_in = rung.jitted, rung.in_shardings  # (lowering reads plan.decisions)
+        else:
+            in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                         for n in program.graph.inputs]
+            arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+            jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
         return Compiled(program, plan, settings, jitted, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1})
 
@@ -317,11 +323,26 @@ class Parallelized:
         return program, batch, auto.seen
 
     def _recompute_choice(self, args: tuple, settings: Settings, names: list[str],
-                          signature: tuple, layers: list[str]
-                          ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan]:
-        """The first rung of the recompute ladder whose compiled peak fits the budget."""
+                          signature: tuple, layers: list[str], base: TracedProgram,
+                          base_batch: tuple[int, ...] | None
+                          ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan,
+                                     Rung | None]:
+        """The first rung of the recompute ladder whose compiled peak fits the budget: its
+        program, batch arguments, plan, and the rung (whose jitted function is compiled).
+        With a plan cache, a stored choice is traced and its plan loaded instead (no rung);
+        ``base`` is the program traced with nothing recomputed."""
         info = self._info
         budget = float(settings.hardware.memory_per_device or 0.0)  # filled from the preset
+        cache_dir, entry_key = config.plan_cache_dir, None
+        if cache_dir:
+            entry_key = plan_cache_key(graph=base.graph, in_tree=base.in_tree,
+                                       out_tree=base.out_tree, signature=signature,
+                                       settings=settings, info=info,
+                                       choice=choice_key(layers, budget))
+            hit = self._cached_choice(args, settings, names, layers, base, base_batch,
+                                      cache_dir, entry_key)
+            if hit is not None:
+                return (*hit, None)
         free = dataclasses.replace(settings, hardware=dataclasses.replace(
             settings.hardware, memory_per_device=float("inf")))
 
@@ -340,12 +361,15 @@ class Parallelized:
                 in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                              for n in program.graph.inputs]
                 arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-                jitted, _ = self._jit(program, plan, settings.mesh, settings, arrivals,
-                                      signature)
-                compiled = jitted.lower(*args).compile()
+                jitted, flat_in = self._jit(program, plan, settings.mesh, settings, arrivals,
+                                            signature)
+                # Lowered from the arguments as the call places them, so that the call's
+                # jax.jit finds this lowering and executable in its caches: no second compile.
+                compiled = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
+                                                    _abstract)).compile()
                 self._rungs[key] = Rung(policies, program, batch, plan,
                                         float(inspect_memory(compiled)["total"]),
-                                        inspect_flops(compiled))
+                                        inspect_flops(compiled), jitted, flat_in)
             return self._rungs[key]
 
         levels: dict[int, str] = {}
@@ -381,7 +405,31 @@ class Parallelized:
                       f"choice (tried first at each rung: off, level1, level3)",)
         plan = dataclasses.replace(chosen.plan, notes=chosen.plan.notes + notes
                                    + remat_notes(chosen.program.graph))
-        return chosen.program, chosen.batch, plan
+        if entry_key is not None and cache_dir:
+            store_cached(cache_dir, entry_key, plan, api=info.api, choice=list(chosen.policies))
+        return chosen.program, chosen.batch, plan, chosen
+
+    def _cached_choice(self, args: tuple, settings: Settings, names: list[str],
+                       layers: list[str], base: TracedProgram,
+                       base_batch: tuple[int, ...] | None, cache_dir: str, key: CacheKey
+                       ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan] | None:
+        """The recompute choice and plan stored under ``key``: the program traced with the
+        stored policies (one trace; none when nothing is recomputed) and the plan loaded for
+        it; ``None`` when there is no usable entry."""
+        api = self._info.api
+        entry = read_entry(cache_dir, key, api=api)
+        if entry is None:
+            return None
+        policies = entry_choice(entry, key.path(cache_dir), POLICIES, len(layers), api=api)
+        if policies is None:
+            return None
+        program, batch = base, base_batch
+        if set(policies) != {"none"}:
+            program, batch, seen = self._trace(args, settings, names, policies)
+            if len(seen) != len(layers):  # the ladder says why
+                return None
+        plan = entry_plan(entry, key.path(cache_dir), program.graph, api=api)
+        return None if plan is None else (program, batch, plan)
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None) -> ShardingPlan:
@@ -504,6 +552,16 @@ def _mesh_context(mesh: Mesh) -> Iterator[None]:
     (tracing gets the abstract mesh from ``tracing_with``)."""
     with jax.set_mesh(mesh):
         yield
+
+
+def _placed_as(args: tuple, static: Sequence[int], in_shardings: tuple[Any, ...],
+               place: Callable[[Any, Any], Any]) -> list:
+    """``args`` with ``place(leaf, sharding)`` for each dynamic leaf (static ones as they are)."""
+    dyn = [a for i, a in enumerate(args) if i not in static]
+    leaves, tree = jax.tree.flatten(dyn)
+    placed = [place(x, s) for x, s in zip(leaves, in_shardings, strict=True)]
+    it = iter(jax.tree.unflatten(tree, placed))
+    return [a if i in static else next(it) for i, a in enumerate(args)]
 
 
 def _abstract(x: Any, sharding: Any) -> Any:

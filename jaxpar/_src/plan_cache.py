@@ -17,7 +17,12 @@ The key is a SHA-256 of everything a plan depends on:
   modes, the hardware profile, the algorithm parameters, the dataset strategy, the user's
   strategies (``in_strategy``, ``out_strategy``, ``parameter_plan``, ``batch_argnums``) and the
   registered operator rules;
-* jaxpar's version and a digest of its own source, JAX's and jaxlib's versions.
+* jaxpar's version and a digest of its own source, JAX's and jaxlib's versions;
+* for a program with ``jaxpar.recompute(policy="auto")`` blocks (keyed by its trace with nothing
+  recomputed), what the choice of their policies depends on besides: the blocks, the policies
+  offered, the ladder and the budget.  The entry keeps the chosen policies (``"choice"``) beside
+  the plan, so a later process traces the chosen program once and loads its plan instead of
+  climbing the ladder (``recompute_choice.py``).
 
 Change any of them and the key changes: the old entry is not read.  An entry that cannot be read
 (not JSON, another format, a plan that does not fit the program) is ignored with a
@@ -81,10 +86,14 @@ class CacheKey:
 
 
 def plan_cache_key(*, graph: OpGraph, in_tree: Any, out_tree: Any, signature: Sequence[Any],
-                   settings: Any, info: Any) -> CacheKey:
+                   settings: Any, info: Any, choice: Mapping[str, Any] | None = None
+                   ) -> CacheKey:
     """The key of the plan of ``graph`` traced from arguments of ``signature`` (a
     :func:`call_key`), under ``settings`` (``api.Settings``) and ``parallelize``'s arguments
-    ``info`` (``ParallelizeInfo``)."""
+    ``info`` (``ParallelizeInfo``).  For a program with ``jaxpar.recompute(policy="auto")``
+    blocks, ``graph`` is the program traced with nothing recomputed and ``choice`` what the
+    recompute choice depends on besides (``recompute_choice.choice_key``: blocks, policies,
+    ladder, budget); the entry then keeps the choice beside the plan."""
     mesh = settings.mesh
     devices = list(mesh.devices.flat)
     description = {
@@ -107,6 +116,8 @@ def plan_cache_key(*, graph: OpGraph, in_tree: Any, out_tree: Any, signature: Se
                                   info.batch_argnums, info.static_argnums))),
         "rules": _rules_digest(),
     }
+    if choice is not None:
+        description["recompute_choice"] = dict(choice)
     description = json.loads(json.dumps(description))  # as it reads back from the file
     digest = _sha(json.dumps(description, sort_keys=True))
     return CacheKey(digest, description)
@@ -116,6 +127,13 @@ def load_cached(directory: str, key: CacheKey, graph: OpGraph, *, api: str
                 ) -> ShardingPlan | None:
     """The plan stored under ``key``, or ``None`` (no entry, or one that cannot be used: then
     with a warning)."""
+    entry = read_entry(directory, key, api=api)
+    return None if entry is None else entry_plan(entry, key.path(directory), graph, api=api)
+
+
+def read_entry(directory: str, key: CacheKey, *, api: str) -> dict[str, Any] | None:
+    """The entry stored under ``key`` (its format and key checked), or ``None`` (no entry, or
+    one that cannot be used: then with a warning)."""
     path = key.path(directory)
     try:
         with open(path, encoding="utf-8") as f:
@@ -123,30 +141,60 @@ def load_cached(directory: str, key: CacheKey, graph: OpGraph, *, api: str
     except (FileNotFoundError, NotADirectoryError):  # no entry (the write says why, if bad)
         return None
     except (OSError, UnicodeDecodeError) as e:
-        return _ignored(api, path, f"it cannot be read ({e})")
+        _ignored(api, path, f"it cannot be read ({e})")
+        return None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        return _ignored(api, path, f"it is not JSON ({e.msg} at line {e.lineno})")
+        _ignored(api, path, f"it is not JSON ({e.msg} at line {e.lineno})")
+        return None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        return _ignored(api, path, f"it is not a {FORMAT} entry (found {found!r})")
+        _ignored(api, path, f"it is not a {FORMAT} entry (found {found!r})")
+        return None
     if data.get("key") != key.description:
-        return _ignored(api, path, "its key is not the key its name stands for")
+        _ignored(api, path, "its key is not the key its name stands for")
+        return None
+    return data
+
+
+def entry_plan(entry: Mapping[str, Any], path: str, graph: OpGraph, *, api: str
+               ) -> ShardingPlan | None:
+    """The plan of an entry read from ``path`` if it fits ``graph``, with the note that it was
+    loaded; else ``None``, with a warning."""
     try:
-        plan = plan_from_dict(data["plan"], source=f"plan cache entry {path!r}")
+        plan = plan_from_dict(entry["plan"], source=f"plan cache entry {path!r}")
     except (PlanError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        return _ignored(api, path, f"its plan is not well-formed ({type(e).__name__}: {e})")
+        _ignored(api, path, f"its plan is not well-formed ({type(e).__name__}: {e})")
+        return None
     differs = structure_mismatch(plan, graph)
     if differs is not None:
-        return _ignored(api, path, f"its plan does not fit this program: {differs}")
+        _ignored(api, path, f"its plan does not fit this program: {differs}")
+        return None
     return dataclasses.replace(plan, notes=plan.notes + (f"{HIT_NOTE} ({path}); not searched",))
 
 
-def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str) -> None:
-    """Writes ``plan`` under ``key``, atomically; a directory that cannot be written warns once
-    and the run goes on."""
-    text = json.dumps({"format": FORMAT, "key": key.description, "plan": plan_to_dict(plan)})
+def entry_choice(entry: Mapping[str, Any], path: str, allowed: Sequence[str], n: int, *,
+                 api: str) -> tuple[str, ...] | None:
+    """The recompute choice an entry keeps: ``n`` policies from ``allowed``; else ``None``,
+    with a warning."""
+    choice = entry.get("choice")
+    if not (isinstance(choice, list) and len(choice) == n and all(
+            isinstance(p, str) and p in allowed for p in choice)):
+        _ignored(api, path, f"its recompute choice {choice!r} is not {n} of {allowed}")
+        return None
+    return tuple(choice)
+
+
+def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str,
+                 choice: Any = None) -> None:
+    """Writes ``plan`` (and, for a program with automatic recomputation, the ``choice`` of
+    policies) under ``key``, atomically; a directory that cannot be written warns once and the
+    run goes on."""
+    entry = {"format": FORMAT, "key": key.description, "plan": plan_to_dict(plan)}
+    if choice is not None:
+        entry["choice"] = choice
+    text = json.dumps(entry)
     tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
@@ -258,7 +306,7 @@ def _rules_digest() -> str:
                          for name, (fn, kind) in sorted(_RULES.items())))
 
 
-def _ignored(api: str, path: str, why: str) -> ShardingPlan | None:
+def _ignored(api: str, path: str, why: str) -> None:
     """No plan, with a warning saying why the entry at ``path`` is not used."""
     warnings.warn(f"{api}: ignoring the plan cache entry {path!r}: {why}. Planning afresh; the "
                   f"new plan replaces it.", JaxparWarning, stacklevel=4)

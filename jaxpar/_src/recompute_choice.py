@@ -22,6 +22,14 @@ When no rung fits, the last (all ``full``) is searched again with memory priced 
 search's own lever, ``search/auto.py``); if that does not fit either, jaxpar raises with the
 budget and the fixes.  Rungs are memoised per ``parallelize``'d function, signature and
 settings, so a sweep of budgets compiles each rung once.
+
+The compile that measured the chosen rung is the one its calls run: a rung keeps its jitted
+function (``Rung.jitted``), lowered from the arguments placed as a call places them, so the
+call's ``jax.jit`` finds the lowering and executable in its caches; a first call compiles once
+per rung tried (``tests/test_recompute_compiles.py`` counts them).  With
+``jaxpar.config.plan_cache_dir`` the choice is kept beside the plan (``plan_cache.py``, keyed
+with :func:`choice_key` as well): a later process traces the stored policies and loads the plan
+instead of climbing.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class Rung:
     plan: ShardingPlan
     compiled_bytes: float  # memory_analysis: argument + output - alias + temp, per device
     flops: float  # cost_analysis, per device
+    # The jitted function the rung was compiled from and its flat input shardings: the call
+    # of a chosen rung runs it, and jax.jit's caches hold the executable measured above.
+    jitted: Any = None
+    in_shardings: tuple[Any, ...] = ()
 
 
 def ladder(n: int) -> list[tuple[str, ...]]:
@@ -58,6 +70,17 @@ def ladder(n: int) -> list[tuple[str, ...]]:
     for level, below in zip(POLICIES[1:], POLICIES[:-1], strict=True):
         rungs.extend((level,) * k + (below,) * (n - k) for k in range(1, n + 1))
     return rungs
+
+
+def choice_key(layers: Sequence[str], budget: float) -> dict[str, Any]:
+    """What the choice depends on besides the program and settings, for the plan cache's key:
+    the blocks, the policies offered, the ladder's order and the budget.
+
+    >>> choice_key(["block (m.py:3)"], 2.0**20)["ladder"]
+    [['none'], ['dots'], ['full']]
+    """
+    return {"blocks": list(layers), "policies": list(POLICIES),
+            "ladder": [list(r) for r in ladder(len(layers))], "budget": float(budget)}
 
 
 def choose(layers: Sequence[str], budget: float, rung: Callable[[tuple[str, ...]], Rung]
