@@ -34,6 +34,8 @@ from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
+from jaxpar._src.regather import Regather
+from jaxpar._src.regather import compiler_options as regather_options
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
@@ -493,7 +495,8 @@ class Parallelized:
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
                          static_argnums=info.static_argnums, donate_argnums=info.donate_argnums,
                          compiler_options=cpu_memory_scheduler(
-                             mesh.devices.flat[0].platform, graph))
+                             mesh.devices.flat[0].platform, graph) or regather_options(
+                             mesh.devices.flat[0].platform, Regather.of(graph, plan)))
         return jitted, flat_in
 
 
