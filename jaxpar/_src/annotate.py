@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar._src.compat import call_closed_jaxpr, scoped_source_info
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
 from jaxpar._src.spec import Spec
 
@@ -61,7 +62,7 @@ def can_annotate(graph: OpGraph) -> bool:
 
 
 def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int],
-                     name: str, regather: Regather = Regather()) -> Callable[..., list[Any]]:
+                     name: str, regather: Regather = NO_REGATHER) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves``, like :func:`lower.make_evaluator`'s, that binds the
     annotated jaxpr as one nested call (``graph`` must pass :func:`can_annotate`)."""
     consts = [n for n in graph.nodes if n.kind is NodeKind.CONST]

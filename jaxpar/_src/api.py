@@ -34,8 +34,6 @@ from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
-from jaxpar._src.regather import Regather
-from jaxpar._src.regather import compiler_options as regather_options
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
@@ -53,6 +51,8 @@ from jaxpar._src.recompute_choice import (
     refusal,
     remat_notes,
 )
+from jaxpar._src.regather import Regather
+from jaxpar._src.regather import compiler_options as regather_options
 from jaxpar._src.report.context import remember
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec

@@ -37,6 +37,7 @@ from jaxpar._src.annotate import annotated_runner, can_annotate
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
 from jaxpar._src.rules.elementwise import BINARY, UNARY
 from jaxpar._src.spec import Spec
@@ -62,7 +63,7 @@ def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
     always evaluate).  Level 3's parameters are gathered again for the backward pass
     (:mod:`regather`)."""
-    regather = Regather.of(graph, plan) if constrain else Regather()
+    regather = Regather.of(graph, plan) if constrain else NO_REGATHER
     if annotate and constrain and can_annotate(graph):
         return annotated_runner(graph, plan, mesh, loose_values(graph, plan) if loose
                                 else frozenset(), name, regather)
@@ -121,7 +122,7 @@ def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[
 
 class _Evaluator:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool,
-                 loose: bool = True, regather: Regather = Regather()) -> None:
+                 loose: bool = True, regather: Regather = NO_REGATHER) -> None:
         self.graph = graph
         self.regather = regather
         self.plan = plan
