@@ -83,7 +83,8 @@ def _compile(monkeypatch, remat: bool, annotate: bool):
         f = jaxpar.parallelize(step, mesh=jaxpar.make_mesh((8,), ("dp",)),
                                parallel_mode="data_parallel")
         compiled = f.lower(*args).compile()
-        return compiled, f(*args), jax.jit(step)(*args), f.compiled_entry(*args).program.graph
+        entry = f.compiled_entry(*args)
+        return compiled, f(*args), jax.jit(step)(*args), entry.program.graph, entry.plan
 
 
 @pytest.mark.parametrize("remat,annotate", [(False, True), (False, False), (True, True)],
@@ -92,8 +93,10 @@ def test_each_parameter_gathered_for_forward_and_again_for_backward(monkeypatch,
                                                                    annotate):
     """Both lowerings alike: the annotated jaxpr, the evaluator (forced, and taken by the
     checkpointed step)."""
-    compiled, result, single, graph = _compile(monkeypatch, remat, annotate)
+    compiled, result, single, graph, plan = _compile(monkeypatch, remat, annotate)
     assert bool(graph.remats) == remat
+    # emb.T, w1, w2: the plan says which are gathered again
+    assert any("level 3: 3 split parameters" in n for n in plan.notes), plan.notes
     counts = _gathers(compiled)
     # w1, w2: one forward all-gather, one backward (a checkpoint body's recomputation counts
     # as backward and shares it).  The tied embedding: two forward ones (the lookup reads

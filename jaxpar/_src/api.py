@@ -51,7 +51,7 @@ from jaxpar._src.recompute_choice import (
     refusal,
     remat_notes,
 )
-from jaxpar._src.regather import Regather
+from jaxpar._src.regather import Regather, regather_note
 from jaxpar._src.regather import compiler_options as regather_options
 from jaxpar._src.report.context import remember
 from jaxpar._src.search import Pin, SearchSpace
@@ -423,10 +423,10 @@ class Parallelized:
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
                               api=info.api)
-        return make_plan(program.graph, decision.assignment, space,
-                         device_ids=[d.id for d in mesh.devices.flat],
-                         parallel_mode=settings.mode.value, search_mode=decision.search_mode,
-                         details=decision.details, report=decision.report)
+        return regather_note(program.graph, make_plan(
+            program.graph, decision.assignment, space,
+            device_ids=[d.id for d in mesh.devices.flat], parallel_mode=settings.mode.value,
+            search_mode=decision.search_mode, details=decision.details, report=decision.report))
 
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
         info = self._info

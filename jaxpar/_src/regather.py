@@ -123,6 +123,20 @@ class Regather:
 NONE = Regather()  # nothing to gather again
 
 
+def regather_note(graph: OpGraph, plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` with a note on the parameters gathered again for the backward pass, if any
+    (the plan's collectives and ``memory_bytes`` count each layout change once)."""
+    again = Regather.of(graph, plan)
+    if not again:
+        return plan
+    whole = sum(graph.values[v].nbytes for v in again.values) / 2.0**20
+    note = (f"parallel optimizer level 3: {len(again.values)} split parameters or views of "
+            f"one ({whole:.2f} MiB whole) are all-gathered again for the backward pass "
+            f"(ZeRO-3), not kept from the forward pass; the predicted collectives and memory "
+            f"count one gather each")
+    return dataclasses.replace(plan, notes=plan.notes + (note,))
+
+
 def compiler_options(platform: str, regather: Regather) -> dict[str, Any] | None:
     """On CPU, XLA's memory-optimised scheduler for a program that gathers again (its default
     scheduler orders for concurrency and would keep more alive)."""
