@@ -11,7 +11,10 @@ of Ψ (the parameters' bytes).  The last row is ``jax.jit`` given level 3's inpu
 shardings (XLA's own propagation of the same FSDP layout).  Known answer (ZeRO, Rajbhandari et
 al. 2020, section 7): levels 1-2 move 2Ψ per device and step, as data parallel; level 3 3Ψ.
 XLA:CPU keeps the gradient all-reduce (2Ψ) where XLA:GPU's reduce-scatter creator makes it a
-reduce-scatter (Ψ), so levels 1-2 read 3Ψ here.
+reduce-scatter (Ψ), so levels 1-2 read 3Ψ here.  Level 3 all-gathers each parameter before
+its forward use and again before its backward use (``jaxpar/_src/regather.py``), ZeRO-3's
+second all-gather: its total is below level 1's.  Compare totals, not temporaries: XLA also
+places temporaries in the output buffers (whole parameters at levels 0-2; "off" shows none).
 
     python bench/zero.py [--quick]      (bench/run.py runs it too)
 """
@@ -125,7 +128,9 @@ def table(rows: list[dict]) -> list[str]:
              "optimizer state's bytes from the input shardings, jaxpar's predicted peak; "
              "collectives of the partitioned HLO: count / MiB payload per device; wire bytes "
              "(ring) in Ψ.  ZeRO's paper: 2Ψ for levels 1-2, 3Ψ for level 3 (XLA:CPU keeps "
-             "the 2Ψ gradient all-reduce where GPUs reduce-scatter Ψ).",
+             "the 2Ψ gradient all-reduce where GPUs reduce-scatter Ψ).  Level 3 gathers each "
+             "parameter for the forward pass and again for the backward pass.  XLA also keeps "
+             "temporaries in the output buffers: compare totals.",
              "",
              "| level | params MiB | opt state MiB | arguments MiB | temp MiB | total MiB | "
              "predicted MiB | " + " | ".join(KINDS) + " | wire Ψ | max abs diff | compile s |",

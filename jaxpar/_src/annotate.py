@@ -40,6 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar._src.compat import call_closed_jaxpr, scoped_source_info
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.regather import NONE as NO_REGATHER
+from jaxpar._src.regather import Regather
 from jaxpar._src.spec import Spec
 
 
@@ -60,7 +62,7 @@ def can_annotate(graph: OpGraph) -> bool:
 
 
 def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int],
-                     name: str) -> Callable[..., list[Any]]:
+                     name: str, regather: Regather = NO_REGATHER) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves``, like :func:`lower.make_evaluator`'s, that binds the
     annotated jaxpr as one nested call (``graph`` must pass :func:`can_annotate`)."""
     consts = [n for n in graph.nodes if n.kind is NodeKind.CONST]
@@ -68,19 +70,20 @@ def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: froz
     def run(*leaves: Any) -> list[Any]:
         values = [jnp.asarray(n.constant) for n in consts]
         avals = [jax.typeof(x) for x in (*leaves, *values)]
-        closed = _Annotator(graph, plan, mesh, loose).build(avals, [n.id for n in consts])
+        closed = _Annotator(graph, plan, mesh, loose, regather).build(avals, [n.id for n in consts])
         return call_closed_jaxpr(closed, [*leaves, *values], name=name)
 
     return run
 
 
 class _Annotator:
-    def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int]
-                 ) -> None:
+    def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int],
+                 regather: Regather) -> None:
         self.graph, self.plan, self.mesh, self.loose = graph, plan, mesh, loose
+        self.regather = regather
         self.eqns: list[jcore.JaxprEqn] = []
         self._templates: dict[tuple[Spec, int], jcore.JaxprEqn] = {}
-        self._copies: dict[tuple[int, Spec], jcore.Var] = {}
+        self._copies: dict[tuple[int, Spec, bool], jcore.Var] = {}
         from jaxpar._src.lower import node_scope  # lower.py imports this module
 
         self._scope = node_scope
@@ -136,11 +139,25 @@ class _Annotator:
         value = self.graph.values[operand]
         if spec is None or spec == self.plan.decisions[value.producer].out_specs[value.index]:
             return x
-        key = (operand, spec)
+        again = self.regather.applies(nid, operand)  # level 3: the backward's own gather
+        key = (operand, spec, again)
         copy = self._copies.get(key)
         if copy is None:  # a layout change, made once per value and layout (as evaluated)
+            if again:  # a new value that waits for the reader's other operands
+                x = self._barrier([x, *(env[o] for o in self.regather.ties(self.graph, nid,
+                                                                           operand))], nid)
             copy = self._copies[key] = self._constrain(x, spec, nid)
         return copy
+
+    def _barrier(self, xs: list[Any], nid: int) -> jcore.Var:
+        """``optimization_barrier(xs)[0]``, as the evaluator binds it."""
+        avals = [x.aval for x in xs]
+        template = _barrier_equation(avals)
+        outs = [jcore.Var(a) for a in avals]
+        self.eqns.append(jcore.new_jaxpr_eqn(
+            xs, outs, template.primitive, template.params, template.effects,
+            scoped_source_info(template.source_info, self._scope(nid)), template.ctx))
+        return outs[0]
 
     def _constrain(self, var: Any, spec: Spec, nid: int) -> jcore.Var:
         aval = var.aval
@@ -154,6 +171,14 @@ class _Annotator:
             [var], [out], template.primitive, template.params, template.effects,
             scoped_source_info(template.source_info, self._scope(nid)), template.ctx))
         return out
+
+
+def _barrier_equation(avals: Sequence[Any]) -> jcore.JaxprEqn:
+    """The equation ``optimization_barrier(xs)`` makes for ``xs`` of ``avals``."""
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    closed = jax.make_jaxpr(lambda *xs: jax.lax.optimization_barrier(xs))(*shapes)
+    (eqn,) = closed.jaxpr.eqns
+    return eqn
 
 
 def _constraint_equation(sharding: NamedSharding, aval: Any) -> jcore.JaxprEqn:

@@ -60,6 +60,8 @@ from jaxpar._src.recompute_choice import (
     refusal,
     remat_notes,
 )
+from jaxpar._src.regather import Regather, regather_note
+from jaxpar._src.regather import compiler_options as regather_options
 from jaxpar._src.report.context import remember
 from jaxpar._src.search import Pin, SearchSpace
 from jaxpar._src.spec import MeshShape, Spec
@@ -469,10 +471,10 @@ class Parallelized:
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
                               api=info.api)
-        return make_plan(program.graph, decision.assignment, space,
-                         device_ids=[d.id for d in mesh.devices.flat],
-                         parallel_mode=settings.mode.value, search_mode=decision.search_mode,
-                         details=decision.details, report=decision.report)
+        return regather_note(program.graph, make_plan(
+            program.graph, decision.assignment, space,
+            device_ids=[d.id for d in mesh.devices.flat], parallel_mode=settings.mode.value,
+            search_mode=decision.search_mode, details=decision.details, report=decision.report))
 
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
         info = self._info
@@ -541,7 +543,8 @@ class Parallelized:
         jitted = jax.jit(wrapped, in_shardings=in_shardings, out_shardings=out_shardings,
                          static_argnums=info.static_argnums, donate_argnums=info.donate_argnums,
                          compiler_options=cpu_memory_scheduler(
-                             mesh.devices.flat[0].platform, graph))
+                             mesh.devices.flat[0].platform, graph) or regather_options(
+                             mesh.devices.flat[0].platform, Regather.of(graph, plan)))
         return jitted, flat_in
 
 

@@ -116,6 +116,19 @@ def name_stack(eqn: jcore.JaxprEqn) -> str:
         return ""
 
 
+def transposed(eqn: jcore.JaxprEqn) -> bool:
+    """Whether JAX made ``eqn`` while transposing (the backward pass of ``jax.grad``/``vjp``):
+    its name stack holds the ``transpose`` transform (``transpose(jvp(...))``), which JAX's
+    ``backward_pass`` pushes around every equation it emits (``interpreters/ad.py``).  Nested
+    transposes (a ``pjit`` or checkpoint transposed inside) push it once, on the outer
+    equation, so callers propagate it into the bodies they inline."""
+    try:
+        stack = eqn.source_info.name_stack.stack
+        return any(type(s).__name__ == "Transform" and s.name == "transpose" for s in stack)
+    except AttributeError:  # another JAX's representation: its text
+        return "transpose(" in name_stack(eqn)
+
+
 def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
     """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
     first: one line of a helper called from several places (a ``dense`` function, a Flax

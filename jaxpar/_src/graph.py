@@ -187,6 +187,7 @@ class Node:
     crossing: Crossing | None = None  # enter and exit nodes
     structure: Region | None = None  # control nodes
     constant: Any = None  # const nodes: the value
+    backward: bool = False  # made by JAX's transpose (the backward pass), see compat.transposed
 
     @property
     def role(self) -> Role | None:

@@ -37,6 +37,8 @@ from jaxpar._src.annotate import annotated_runner, can_annotate
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
 from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.regather import NONE as NO_REGATHER
+from jaxpar._src.regather import Regather
 from jaxpar._src.rules.elementwise import BINARY, UNARY
 from jaxpar._src.spec import Spec
 
@@ -59,11 +61,13 @@ def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
     """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
     (``loose=False``: on every result, :func:`loose_values` too).  Straight-line graphs are
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
-    always evaluate)."""
+    always evaluate).  Level 3's parameters are gathered again for the backward pass
+    (:mod:`regather`)."""
+    regather = Regather.of(graph, plan) if constrain else NO_REGATHER
     if annotate and constrain and can_annotate(graph):
         return annotated_runner(graph, plan, mesh, loose_values(graph, plan) if loose
-                                else frozenset(), name)
-    return _Evaluator(graph, plan, mesh, constrain, loose).run
+                                else frozenset(), name, regather)
+    return _Evaluator(graph, plan, mesh, constrain, loose, regather).run
 
 
 # Primitives that lower to one elementwise HLO operation: a result in the layout of its
@@ -118,8 +122,9 @@ def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[
 
 class _Evaluator:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool,
-                 loose: bool = True) -> None:
+                 loose: bool = True, regather: Regather = NO_REGATHER) -> None:
         self.graph = graph
+        self.regather = regather
         self.plan = plan
         self.mesh = mesh
         self.constrain_all = constrain
@@ -143,15 +148,21 @@ class _Evaluator:
         v = self.graph.values[vid]
         return self.plan.decisions[v.producer].out_specs[v.index]
 
-    def read(self, env: dict, operand: Any, spec: Spec | None) -> Any:
+    def read(self, env: dict, operand: Any, spec: Spec | None, reader: int | None = None
+             ) -> Any:
         if isinstance(operand, Const):
             return operand.value
         x = env[operand]
         if spec is None or spec == self.out_spec(operand):
             return x
-        key = (operand, spec)
+        again = self.regather.applies(reader, operand)  # level 3: the backward's own gather
+        key = (operand, spec, "backward") if again else (operand, spec)
         copy = env.get(key)
         if copy is None:
+            if again:  # a new value that waits for the reader's other operands
+                assert reader is not None
+                ties = [env[o] for o in self.regather.ties(self.graph, reader, operand)]
+                x = jax.lax.optimization_barrier([x, *ties])[0]
             copy = env[key] = jax.lax.with_sharding_constraint(x, self._sharding(spec))
         return copy
 
@@ -235,7 +246,8 @@ class _Evaluator:
 
     def _eval_op(self, node: Node, env: dict) -> None:
         d = self.plan.decisions[node.id]
-        invals = [self.read(env, o, s) for o, s in zip(node.inputs, d.in_specs, strict=True)]
+        invals = [self.read(env, o, s, node.id)
+                  for o, s in zip(node.inputs, d.in_specs, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invals[:1]
         else:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
-from jaxpar._src.compat import scan_counts, source_location
+from jaxpar._src.compat import scan_counts, source_location, transposed
 from jaxpar._src.graph import (
     CondRegion,
     Const,
@@ -114,6 +114,7 @@ class _Builder:
         self.nodes: list[dict[str, Any]] = []
         self.values: list[Value] = []
         self.remats: list[RematBlock] = []
+        self._backward = False  # walking an equation JAX's transpose made (or its body)
 
     # -- construction -------------------------------------------------------------------------
     # Nodes are dicts of Node's fields until _finish renumbers them; a control node's region
@@ -127,6 +128,7 @@ class _Builder:
             vid = len(self.values)
             self.values.append(Value(vid, tuple(int(d) for d in aval.shape), aval.dtype, nid, j))
             outs.append(vid)
+        fields.setdefault("backward", self._backward)
         self.nodes.append(dict(id=nid, kind=kind, name=name, inputs=list(inputs), outputs=outs,
                                **fields))
         seq.append(nid)
@@ -171,28 +173,36 @@ class _Builder:
               region: int | None, remat: int | None = None) -> None:
         """Adds ``jaxpr``'s equations to ``seq``; ``remat``: the checkpoint block they are in
         (nodes of loop bodies are not: their sequence is the body's)."""
+        outer = self._backward
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            ins = [self._read(env, v) for v in eqn.invars]
-            key = _INLINE.get(name)
-            if key is not None and key in eqn.params:
-                self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region, remat)
-            elif name in _REMAT and "jaxpr" in eqn.params:
-                block = self._remat_block(eqn, ins, remat)
-                self._inline(eqn.params["jaxpr"], ins, eqn.outvars, env, seq, weight, region,
-                             block)
-            elif name == "scan":
-                self._scan(eqn, ins, env, seq, weight, region, remat)
-            elif name == "while":
-                self._while(eqn, ins, env, seq, weight, region, remat)
-            elif name == "cond":
-                self._cond(eqn, ins, env, seq, weight, region, remat)
-            else:
-                _, outs = self._node(NodeKind.OP, name, ins, [v.aval for v in eqn.outvars], seq,
-                                     eqn=eqn, source=source_location(eqn), weight=weight,
-                                     region=region, remat=remat)
-                for var, vid in zip(eqn.outvars, outs, strict=True):
-                    env[var] = vid
+            # A body inlined below inherits its equation's mark (JAX marks only the outer one).
+            self._backward = outer or transposed(eqn)
+            self._eqn(eqn, env, seq, weight, region, remat)
+        self._backward = outer
+
+    def _eqn(self, eqn: Any, env: dict, seq: list[int], weight: float, region: int | None,
+             remat: int | None) -> None:
+        name = eqn.primitive.name
+        ins = [self._read(env, v) for v in eqn.invars]
+        key = _INLINE.get(name)
+        if key is not None and key in eqn.params:
+            self._inline(eqn.params[key], ins, eqn.outvars, env, seq, weight, region, remat)
+        elif name in _REMAT and "jaxpr" in eqn.params:
+            block = self._remat_block(eqn, ins, remat)
+            self._inline(eqn.params["jaxpr"], ins, eqn.outvars, env, seq, weight, region,
+                         block)
+        elif name == "scan":
+            self._scan(eqn, ins, env, seq, weight, region, remat)
+        elif name == "while":
+            self._while(eqn, ins, env, seq, weight, region, remat)
+        elif name == "cond":
+            self._cond(eqn, ins, env, seq, weight, region, remat)
+        else:
+            _, outs = self._node(NodeKind.OP, name, ins, [v.aval for v in eqn.outvars], seq,
+                                 eqn=eqn, source=source_location(eqn), weight=weight,
+                                 region=region, remat=remat)
+            for var, vid in zip(eqn.outvars, outs, strict=True):
+                env[var] = vid
 
     def _inline(self, sub: Any, ins: Sequence[Operand], outvars: Sequence[Any], env: dict,
                 seq: list[int], weight: float, region: int | None, remat: int | None) -> None:
