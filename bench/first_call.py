@@ -242,16 +242,18 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
 
 # -- 3. phases, fresh processes -------------------------------------------------------------
 def _timed(owner: object, name: str, into: dict[str, float], key: str) -> None:
-    """Wraps ``owner.name`` so that its calls add their seconds to ``into[key]``."""
+    """Wraps ``owner.name`` so that its calls add their seconds to ``into[key]`` (wall clock)
+    and to ``into[key + "_cpu"]`` (this process's CPU time: what a loaded machine blurs less)."""
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
             into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+            into[key + "_cpu"] = into.get(key + "_cpu", 0.0) + time.process_time() - c0
 
     setattr(owner, name, wrapper)
 
@@ -264,28 +266,24 @@ def _phases_child(layers: int) -> dict:
     from jaxpar._src.search import auto
 
     spent: dict[str, float] = {}
-    _timed(trace._Builder, "build", spent, "graph_s")
-    _timed(auto, "build_problem", spent, "problem_s")
-    _timed(api, "decide", spent, "search_s")
-    _timed(api, "make_plan", spent, "make_plan_s")
+    _timed(trace._Builder, "build", spent, "graph")
+    _timed(api, "trace", spent, "trace")
+    _timed(auto, "build_problem", spent, "problem")
+    _timed(api, "decide", spent, "search")
+    _timed(api, "make_plan", spent, "make_plan")
+    _timed(api.Parallelized, "_plan", spent, "plan")
+    _timed(api.Parallelized, "lower", spent, "lower")
     step, args = _gpt(gpt, layers)
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     jax.block_until_ready(args)
-    c0 = time.process_time()
     pf = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel")
     entry = pf.compiled_entry(*args)
-    c1 = time.process_time()
-    t0 = time.perf_counter()
     pf.lower(*args)  # the plan is cached: this is the lowering alone
-    lower_s = time.perf_counter() - t0
-    trace_s, plan_s = entry.timings["trace"], entry.timings["search"]
+    for suffix in ("", "_cpu"):
+        spent["make_jaxpr" + suffix] = spent["trace" + suffix] - spent["graph" + suffix]
     return {"layers": layers, "ops": entry.program.graph.count("op"),
             "nodes": len(entry.program.graph.nodes), "load": os.getloadavg()[0],
-            "make_jaxpr_s": trace_s - spent.get("graph_s", 0.0),
-            "graph_s": spent.get("graph_s", 0.0), "trace_s": trace_s,
-            "problem_s": spent.get("problem_s", 0.0),
-            "search_s": spent.get("search_s", 0.0), "make_plan_s": spent.get("make_plan_s", 0.0),
-            "plan_s": plan_s, "lower_s": lower_s, "cpu_s": c1 - c0}
+            **{k + "_s": v for k, v in spent.items()}}
 
 
 _PHASES = (("make_jaxpr_s", "make_jaxpr"), ("graph_s", "graph build"), ("trace_s", "trace"),
@@ -310,21 +308,25 @@ def phases_rows(sizes: list[int]) -> list[dict]:
 
 def phases_table(rows: list[dict]) -> list[str]:
     """Seconds per phase, and per layer against the smallest size (1.00: linear)."""
-    base = rows[0]
     lines = ["## jaxpar's phases, fresh processes", "",
-             "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel. Seconds "
-             "per phase (wall clock; load average at the end of each run beside it); in "
-             f"brackets the phase's seconds per layer over those at {base['layers']} layers "
-             "(1.00: grows linearly). make_jaxpr + graph build = trace; the search's problem "
-             "build is inside search, search and make_plan inside plan; lower: pf.lower with "
-             "the plan cached.", "",
+             "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel. CPU "
+             "seconds of the process per phase (the wall clock is in the JSON; the load average "
+             "at the end of each run beside it); in "
+             "brackets the added milliseconds per added layer since the size above (the same "
+             "at every size: the phase grows linearly). make_jaxpr + graph build = trace; the "
+             "search's problem build is inside search, search and make_plan inside plan; "
+             "lower: pf.lower with the plan cached.", "",
              "| layers | ops | load | " + " | ".join(t for _, t in _PHASES) + " |",
              "|---:|---:|---:|" + "---:|" * len(_PHASES)]
-    for r in rows:
+    for before, r in zip([None, *rows], rows, strict=False):
         cells = []
         for key, _ in _PHASES:
-            per = (r[key] / r["layers"]) / max(base[key] / base["layers"], 1e-9)
-            cells.append(f"{r[key]:.2f} ({per:.2f})")
+            cpu = key[:-2] + "_cpu_s"
+            if before is None:
+                cells.append(f"{r[cpu]:.2f}")
+            else:
+                slope = (r[cpu] - before[cpu]) / (r["layers"] - before["layers"])
+                cells.append(f"{r[cpu]:.2f} (+{slope * 1e3:.0f})")
         lines.append(f"| {r['layers']} | {r['ops']} | {r['load']:.1f} | " + " | ".join(cells)
                      + " |")
     return lines
