@@ -326,7 +326,7 @@ def phases_table(rows: list[dict]) -> list[str]:
                 cells.append(f"{r[cpu]:.2f}")
             else:
                 slope = (r[cpu] - before[cpu]) / (r["layers"] - before["layers"])
-                cells.append(f"{r[cpu]:.2f} (+{slope * 1e3:.0f})")
+                cells.append(f"{r[cpu]:.2f} ({slope * 1e3:+.0f})")
         lines.append(f"| {r['layers']} | {r['ops']} | {r['load']:.1f} | " + " | ".join(cells)
                      + " |")
     return lines
