@@ -13,8 +13,6 @@ only approximate step); the exact search uses them for the plan it falls back on
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from jaxpar._src.search.elimination import solve_elimination
@@ -55,9 +53,17 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
     choice = dict(choice)
     # Each node's edge matrices with its candidates as rows, in the order the sums run.
     rows = {r: [(u, edge_rows(problem, r, u)) for u in adjacency[r]] for r in problem.reps}
-    stamp = dict.fromkeys(problem.reps, -1)  # when each choice last changed
-    looked: dict = {}  # node or edge -> the clock when it was last looked at
+    # ``near[r]``: when a choice of ``r`` or of a neighbour last changed (a node's sums read
+    # exactly those); ``looked``: when each node or pair was last looked at.
+    near = dict.fromkeys(problem.reps, -1)
+    looked: dict = {}
     clock = 0
+
+    def changed_at(*nodes: int) -> None:
+        for x in nodes:
+            near[x] = clock
+            for y in adjacency[x]:
+                near[y] = clock
 
     def context(r: int, skip: int = -1) -> np.ndarray:
         total = problem.cost[r].copy()
@@ -66,29 +72,25 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
                 total += m[:, choice[u]]
         return total
 
-    def unchanged(key, nodes) -> bool:
-        last = looked.get(key)
-        return last is not None and all(stamp[x] <= last for x in nodes)
-
     for _ in range(sweeps):
         changed = False
         for r in problem.reps:
             if r in problem.forced:
                 continue
-            if unchanged(r, itertools.chain((r,), adjacency[r])):
+            if looked.get(r, -2) >= near[r]:
                 continue
             total = context(r)
             best = int(np.argmin(total))
             if better(total[best], total[choice[r]]):
                 choice[r] = best
                 clock += 1
-                stamp[r] = clock
+                changed_at(r)
                 changed = True
             looked[r] = clock
         for u, v in problem.edges:
             if u in problem.forced and v in problem.forced:
                 continue
-            if unchanged((u, v), itertools.chain((u, v), adjacency[u], adjacency[v])):
+            if looked.get((u, v), -2) >= max(near[u], near[v]):
                 continue
             joint = context(u, v)[:, None] + context(v, u)[None, :] + problem.edges[(u, v)]
             if u in problem.forced:
@@ -99,7 +101,7 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
             if better(joint[ku, kv], joint[choice[u], choice[v]]):
                 choice[u], choice[v] = int(ku), int(kv)
                 clock += 1
-                stamp[u] = stamp[v] = clock
+                changed_at(u, v)
                 changed = True
             looked[(u, v)] = clock
         if not changed:
