@@ -254,6 +254,7 @@ def _timed(owner: object, name: str, into: dict[str, float], key: str) -> None:
         finally:
             into[key] = into.get(key, 0.0) + time.perf_counter() - t0
             into[key + "_cpu"] = into.get(key + "_cpu", 0.0) + time.process_time() - c0
+            into[key + "_calls"] = into.get(key + "_calls", 0) + 1
 
     setattr(owner, name, wrapper)
 
@@ -281,9 +282,10 @@ def _phases_child(layers: int) -> dict:
     pf.lower(*args)  # the plan is cached: this is the lowering alone
     for suffix in ("", "_cpu"):
         spent["make_jaxpr" + suffix] = spent["trace" + suffix] - spent["graph" + suffix]
+    del spent["trace_calls"], spent["graph_calls"], spent["lower_calls"]
     return {"layers": layers, "ops": entry.program.graph.count("op"),
             "nodes": len(entry.program.graph.nodes), "load": os.getloadavg()[0],
-            **{k + "_s": v for k, v in spent.items()}}
+            **{k if k.endswith("_calls") else k + "_s": v for k, v in spent.items()}}
 
 
 _PHASES = (("make_jaxpr_s", "make_jaxpr"), ("graph_s", "graph build"), ("trace_s", "trace"),
@@ -315,9 +317,10 @@ def phases_table(rows: list[dict]) -> list[str]:
              "brackets the added milliseconds per added layer since the size above (the same "
              "at every size: the phase grows linearly). make_jaxpr + graph build = trace; the "
              "search's problem build is inside search, search and make_plan inside plan; "
-             "lower: pf.lower with the plan cached.", "",
-             "| layers | ops | load | " + " | ".join(t for _, t in _PHASES) + " |",
-             "|---:|---:|---:|" + "---:|" * len(_PHASES)]
+             "lower: pf.lower with the plan cached. builds: problems the search built (2 when "
+             "it searched again with gradient all-reduces priced alone).", "",
+             "| layers | ops | load | builds | " + " | ".join(t for _, t in _PHASES) + " |",
+             "|---:|---:|---:|---:|" + "---:|" * len(_PHASES)]
     for before, r in zip([None, *rows], rows, strict=False):
         cells = []
         for key, _ in _PHASES:
@@ -327,8 +330,8 @@ def phases_table(rows: list[dict]) -> list[str]:
             else:
                 slope = (r[cpu] - before[cpu]) / (r["layers"] - before["layers"])
                 cells.append(f"{r[cpu]:.2f} ({slope * 1e3:+.0f})")
-        lines.append(f"| {r['layers']} | {r['ops']} | {r['load']:.1f} | " + " | ".join(cells)
-                     + " |")
+        lines.append(f"| {r['layers']} | {r['ops']} | {r['load']:.1f} | "
+                     f"{r.get('problem_calls', '')} | " + " | ".join(cells) + " |")
     return lines
 
 
