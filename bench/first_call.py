@@ -18,13 +18,23 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
    (trace, plan, lower = JAX's trace of the jitted function and its StableHLO, XLA compile) from
    ``jax.monitoring``'s compile events and the plan's own timings.
 
-``python bench/first_call.py [--quick] [--out DIR]``; ``make bench`` runs it after the other
-sections.  Times on a shared 2-core machine are noisy: the ratios mean more than the seconds.
+3. **phases** (``--phases``), each size in a fresh process: jaxpar's own time per phase on the
+   same GPT step at 24, 96 and 192 layers (``--layers``), and each phase's seconds per layer
+   against the smallest size's (1.00: growing linearly): trace (JAX's ``make_jaxpr``, then
+   jaxpar's graph build), the search (problem build, the rest of the search), the plan in all
+   (pins, search, pricing every node and edge) and the lowering (``pf.lower``: JAX's trace of
+   the jitted function and its StableHLO).
+
+``python bench/first_call.py [--quick] [--out DIR]``; ``python bench/first_call.py --phases
+[--layers 24 96 192]`` writes ``first_call_phases.json`` / ``.md`` instead; ``make bench`` runs
+the first two after the other sections.  Times on a shared 2-core machine are noisy: the ratios
+mean more than the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -230,6 +240,116 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
     return row
 
 
+# -- 3. phases, fresh processes -------------------------------------------------------------
+def _timed(owner: object, name: str, into: dict[str, float], key: str) -> None:
+    """Wraps ``owner.name`` so that its calls add their seconds to ``into[key]`` (wall clock)
+    and to ``into[key + "_cpu"]`` (this process's CPU time: what a loaded machine blurs less)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+            into[key + "_cpu"] = into.get(key + "_cpu", 0.0) + time.process_time() - c0
+            into[key + "_calls"] = into.get(key + "_calls", 0) + 1
+
+    setattr(owner, name, wrapper)
+
+
+def _phases_child(layers: int) -> dict:
+    """jaxpar's phases on the GPT step of ``layers`` layers, in this (fresh) process: the
+    functions each phase runs are wrapped with timers, nothing else changes."""
+    jax, gpt, jaxpar = _setup()
+    from jaxpar._src import api, trace
+    from jaxpar._src.search import auto
+
+    spent: dict[str, float] = {}
+    _timed(trace._Builder, "build", spent, "graph")
+    _timed(api, "trace", spent, "trace")
+    _timed(auto, "build_problem", spent, "problem")
+    _timed(api, "decide", spent, "search")
+    _timed(api, "make_plan", spent, "make_plan")
+    _timed(api.Parallelized, "_plan", spent, "plan")
+    _timed(api.Parallelized, "lower", spent, "lower")
+    step, args = _gpt(gpt, layers)
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    jax.block_until_ready(args)
+    pf = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel")
+    entry = pf.compiled_entry(*args)
+    pf.lower(*args)  # the plan is cached: this is the lowering alone
+    for suffix in ("", "_cpu"):
+        spent["make_jaxpr" + suffix] = spent["trace" + suffix] - spent["graph" + suffix]
+    del spent["trace_calls"], spent["graph_calls"], spent["lower_calls"]
+    return {"layers": layers, "ops": entry.program.graph.count("op"),
+            "nodes": len(entry.program.graph.nodes), "load": os.getloadavg()[0],
+            **{k if k.endswith("_calls") else k + "_s": v for k, v in spent.items()}}
+
+
+_PHASES = (("make_jaxpr_s", "make_jaxpr"), ("graph_s", "graph build"), ("trace_s", "trace"),
+           ("problem_s", "problem build"), ("search_s", "search"), ("make_plan_s", "make_plan"),
+           ("plan_s", "plan"), ("lower_s", "lower"))
+
+
+def phases_rows(sizes: list[int]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxpar-phases-") as tmp:
+        for layers in sizes:
+            out = os.path.join(tmp, f"{layers}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "phases",
+                            "--layers", str(layers), "--row", out], check=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+            with open(out) as f:
+                rows.append(json.load(f))
+            print("phases", {k: round(v, 2) if isinstance(v, float) else v
+                             for k, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def phases_table(rows: list[dict]) -> list[str]:
+    """Seconds per phase, and per layer against the smallest size (1.00: linear)."""
+    lines = ["## jaxpar's phases, fresh processes", "",
+             "GPT train step (d=128, batch 16 x 16), mesh (dp=2, mp=4), auto_parallel. CPU "
+             "seconds of the process per phase (the wall clock is in the JSON; the load average "
+             "at the end of each run beside it); in "
+             "brackets the added milliseconds per added layer since the size above (the same "
+             "at every size: the phase grows linearly). make_jaxpr + graph build = trace; the "
+             "search's problem build is inside search, search and make_plan inside plan; "
+             "lower: pf.lower with the plan cached. builds: problems the search built (2 when "
+             "it searched again with gradient all-reduces priced alone).", "",
+             "| layers | ops | load | builds | " + " | ".join(t for _, t in _PHASES) + " |",
+             "|---:|---:|---:|---:|" + "---:|" * len(_PHASES)]
+    for before, r in zip([None, *rows], rows, strict=False):
+        cells = []
+        for key, _ in _PHASES:
+            cpu = key[:-2] + "_cpu_s"
+            if before is None:
+                cells.append(f"{r[cpu]:.2f}")
+            else:
+                slope = (r[cpu] - before[cpu]) / (r["layers"] - before["layers"])
+                cells.append(f"{r[cpu]:.2f} ({slope * 1e3:+.0f})")
+        lines.append(f"| {r['layers']} | {r['ops']} | {r['load']:.1f} | "
+                     f"{r.get('problem_calls', '')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def run_phases(out_dir: str, sizes: list[int] | None = None) -> dict:
+    sizes = sizes or [24, 96, 192]
+    result = {"cpus": os.cpu_count(), "phases": phases_rows(sizes)}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "first_call_phases.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["# jaxpar's own time per phase", "",
+             f"{result['cpus']} CPUs; the seconds are noisy on a shared machine.", ""]
+    lines += phases_table(result["phases"]) + [""]
+    with open(os.path.join(out_dir, "first_call_phases.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    return result
+
+
 def _spawn(kind: str, layers: int, plan_dir: str, xla_dir: str, specs: str) -> dict:
     out = specs + f".{kind}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--layers", str(layers),
@@ -364,9 +484,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, nargs="*", help="first-call sizes (6 24 96)")
     parser.add_argument("--skip-per-call", action="store_true")
     parser.add_argument("--repeats", type=int, help="fresh-cache repeats per size (3; 2 quick)")
+    parser.add_argument("--phases", action="store_true",
+                        help="jaxpar's own time per phase instead (24 96 192 layers)")
     for name in ("--child", "--plan-dir", "--xla-dir", "--specs", "--row"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child == "phases":  # one size's phases, in a process of its own
+        row = _phases_child(args.layers[0])
+        with open(args.row, "w") as f:
+            json.dump(row, f)
+        return row
+    if args.phases:
+        return run_phases(args.out, args.layers)
     if args.child:  # one first call, in a process of its own (see _spawn)
         row = _child(args.child, args.layers[0], args.plan_dir, args.xla_dir, args.specs)
         with open(args.row, "w") as f:

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxpar
 from jaxpar._src.cost import CostModel
@@ -151,3 +152,89 @@ def test_layer_groups_are_found_only_when_asked_and_are_the_eager_ones(monkeypat
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     f = jaxpar.parallelize(jax.grad(models.block_loss), mesh=mesh, parallel_mode="auto_parallel")
     assert f.plan(params, x).decisions and not calls
+
+
+def test_a_search_again_with_all_reduces_alone_shares_what_no_price_changes(monkeypatch):
+    """The build on ``space.alone()`` (gradient all-reduces priced on their own) reuses the
+    first build's useless factors and layer groups, which no price changes, and finds the same
+    candidates; other pins build their own (issue 14: a deep model's first call searched
+    twice)."""
+    from jaxpar._src.search import problem as problem_mod
+    from jaxpar._src.search.common import Pin
+
+    calls = []
+    useless = problem_mod.useless_factors
+    monkeypatch.setattr(problem_mod, "useless_factors",
+                        lambda *a: calls.append(1) or useless(*a))
+    first = _problem(_stack_graph(3))
+    list(first.groups)
+    again = build_problem(first.space.alone(), [])
+    assert again.groups is first.groups and len(calls) == 1
+    assert again.cands == first.cands and again.follow.keys() == first.follow.keys()
+    node = first.reps[0]
+    pinned = build_problem(first.space, [Pin(node, first.cands[node][0], "test")])
+    assert pinned.groups is not first.groups and len(calls) == 2
+
+
+def _improve_every_time(problem, choice, sweeps):
+    """The local search looking at every node and pair in every sweep (the reference)."""
+    from jaxpar._src.search.polish import better, edge_rows
+
+    adjacency = problem.neighbours()
+    choice = dict(choice)
+
+    def context(r, skip=-1):
+        total = problem.cost[r].copy()
+        for u in adjacency[r]:
+            if u != skip:
+                total += edge_rows(problem, r, u)[:, choice[u]]
+        return total
+
+    for _ in range(sweeps):
+        changed = False
+        for r in problem.reps:
+            if r not in problem.forced:
+                total = context(r)
+                best = int(np.argmin(total))
+                if better(total[best], total[choice[r]]):
+                    choice[r], changed = best, True
+        for u, v in problem.edges:
+            if u in problem.forced and v in problem.forced:
+                continue
+            joint = context(u, v)[:, None] + context(v, u)[None, :] + problem.edges[(u, v)]
+            if u in problem.forced:
+                joint[np.arange(len(joint)) != choice[u], :] = np.inf
+            if v in problem.forced:
+                joint[:, np.arange(joint.shape[1]) != choice[v]] = np.inf
+            ku, kv = np.unravel_index(int(np.argmin(joint)), joint.shape)
+            if better(joint[ku, kv], joint[choice[u], choice[v]]):
+                choice[u], choice[v], changed = int(ku), int(kv), True
+        if not changed:
+            break
+    return choice
+
+
+def test_the_local_search_skipping_unchanged_neighbourhoods_finds_what_looking_everywhere_does():
+    """``polish.improve`` looks again only where a neighbour's choice changed (issue 14); on
+    random problems with many ties (small integer costs) it ends where the search that looks
+    at every node and pair in every sweep ends."""
+    from jaxpar._src.search.polish import improve
+    from jaxpar._src.search.problem import Problem
+
+    rng = np.random.default_rng(0)
+    for trial in range(150):
+        n = int(rng.integers(2, 25))
+        sizes = [int(rng.integers(1, 6)) for _ in range(n)]
+        cost = {i: rng.integers(0, 5, sizes[i]).astype(float) for i in range(n)}
+        edges = {}
+        for _ in range(int(rng.integers(1, 3 * n))):
+            u, v = sorted(int(x) for x in rng.choice(n, 2, replace=False))
+            edges[(u, v)] = rng.integers(0, 4, (sizes[u], sizes[v])).astype(float)
+        problem = Problem.from_tables(cost, edges)
+        if trial % 3 == 0:
+            problem.forced = {0: 0}
+        start = {i: 0 if i in problem.forced else int(rng.integers(0, sizes[i]))
+                 for i in range(n)}
+        for sweeps in (1, 2, 3, 5):
+            assert improve(problem, start, sweeps=sweeps) == \
+                _improve_every_time(problem, start, sweeps)

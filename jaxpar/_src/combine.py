@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -240,7 +241,19 @@ def layout_changes(graph: OpGraph, strategies: Mapping[int, OpStrategy], nid: in
 def _post_order(graph: OpGraph) -> tuple[np.ndarray, dict[tuple[int, int], int]]:
     """Positions in a depth-first post order from the results, operands in order, as XLA's
     ``MakeInstructionPostOrder`` visits the partitioned program: per node, and per
-    ``(value, consumer)`` edge (where a layout change of that operand sits)."""
+    ``(value, consumer)`` edge (where a layout change of that operand sits).  Found once per
+    graph (they depend on nothing else): a search prices several plans of one graph."""
+    found = _POST_ORDERS.get(graph)
+    if found is None:
+        found = _POST_ORDERS[graph] = _find_post_order(graph)
+    return found
+
+
+_POST_ORDERS: weakref.WeakKeyDictionary[OpGraph, tuple[np.ndarray, dict[tuple[int, int], int]]] \
+    = weakref.WeakKeyDictionary()
+
+
+def _find_post_order(graph: OpGraph) -> tuple[np.ndarray, dict[tuple[int, int], int]]:
     position = np.full(len(graph.nodes), -1, dtype=np.int64)
     edges: dict[tuple[int, int], int] = {}
     k = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from jaxpar._src.combine import (
     ProgramCost,
@@ -57,6 +58,9 @@ class SearchSpace:
         self._siblings: dict[int, float] | None = None
         self._priced: dict[tuple, ProgramCost] = {}
         self._categories: dict[frozenset, frozenset[int]] = {}
+        # What a problem build finds that no price changes (the useless factors, the layer
+        # groups), by the build's inputs: shared with :meth:`alone`'s space (issue 14).
+        self.unpriced: dict[tuple, Any] = {}
 
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
@@ -139,6 +143,8 @@ class SearchSpace:
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
         other._deferred = self.deferred
         other._siblings = self._siblings
+        other._categories = self._categories
+        other.unpriced = self.unpriced
         other._bucket = 0.0
         return other
 

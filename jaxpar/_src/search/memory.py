@@ -8,6 +8,7 @@ what XLA must hold at least; its own buffer reuse can only do better on temporar
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -42,35 +43,50 @@ def live_ranges(graph: OpGraph) -> list[tuple[int, int, int]]:
     return out
 
 
-def value_bytes(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape,
-                vid: int) -> float:
-    v = graph.values[vid]
-    spec = strategies[v.producer].out_specs[v.index]
-    return v.nbytes * spec.shard_fraction(mesh)
-
-
 def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape
                 ) -> MemoryEstimate:
     n = len(graph.nodes) + 1
     delta = np.zeros(n + 1)
     arguments = 0.0
-    for vid, first, stop in live_ranges(graph):
-        b = value_bytes(graph, strategies, mesh, vid)
+    values = graph.values
+    fractions: dict = {}  # per layout: a plan has few, its values many
+    for vid, first, stop, nbytes, is_argument in _lifetimes(graph):
+        v = values[vid]
+        spec = strategies[v.producer].out_specs[v.index]
+        fraction = fractions.get(spec)
+        if fraction is None:
+            fraction = fractions[spec] = spec.shard_fraction(mesh)
+        b = nbytes * fraction
         delta[first] += b
         delta[stop + 1] -= b
-        if graph.nodes[graph.values[vid].producer].kind is NodeKind.INPUT:
+        if is_argument:
             arguments += b
     live = np.cumsum(delta)[:n]
     at = int(np.argmax(live))
     return MemoryEstimate(float(live[at]), arguments, at)
 
 
+def _lifetimes(graph: OpGraph) -> list[tuple[int, int, int, int, bool]]:
+    """:func:`live_ranges` with each value's bytes and whether an input produces it, found
+    once per graph: every plan compared is measured on the same graph (issue 14)."""
+    found = _LIFETIMES.get(graph)
+    if found is None:
+        values, nodes = graph.values, graph.nodes
+        found = _LIFETIMES[graph] = [
+            (vid, first, stop, values[vid].nbytes,
+             nodes[values[vid].producer].kind is NodeKind.INPUT)
+            for vid, first, stop in live_ranges(graph)]
+    return found
+
+
+_LIFETIMES: weakref.WeakKeyDictionary[OpGraph, list] = weakref.WeakKeyDictionary()
+
+
 def replicated_peak(graph: OpGraph) -> float:
     """Peak bytes per device if nothing were split: an upper bound for every plan."""
     n = len(graph.nodes) + 1
     delta = np.zeros(n + 1)
-    for vid, first, stop in live_ranges(graph):
-        b = graph.values[vid].nbytes
+    for _, first, stop, b, _ in _lifetimes(graph):
         delta[first] += b
         delta[stop + 1] -= b
     return float(np.max(np.cumsum(delta)[:n]))

@@ -37,15 +37,39 @@ def polish(problem: Problem, choice: dict[int, int], *, rounds: int | None = Non
 
 def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dict[int, int]:
     """Local search: each node, then each pair of neighbours, takes its cheapest candidates
-    given the rest, until nothing improves (or ``sweeps`` rounds)."""
+    given the rest, until nothing improves (or ``sweeps`` rounds).
+
+    A node (a pair) whose own choice and whose neighbours' choices are all as they were when
+    it was last looked at is not looked at again: it would find what it found then (its
+    sums are the same sums, in the same order), and after the first sweep most are (issue 14:
+    the first call polishes every node of a deep model's problem).
+
+    >>> p = Problem.from_tables({0: np.array([0.0, 1.0]), 1: np.array([0.5, 0.0])},
+    ...                         {(0, 1): np.array([[0.0, 2.0], [2.0, 0.0]])})
+    >>> improve(p, {0: 1, 1: 1})
+    {0: 0, 1: 0}
+    """
     adjacency = problem.neighbours()
     choice = dict(choice)
+    # Each node's edge matrices with its candidates as rows, in the order the sums run.
+    rows = {r: [(u, edge_rows(problem, r, u)) for u in adjacency[r]] for r in problem.reps}
+    # ``near[r]``: when a choice of ``r`` or of a neighbour last changed (a node's sums read
+    # exactly those); ``looked``: when each node or pair was last looked at.
+    near = dict.fromkeys(problem.reps, -1)
+    looked: dict = {}
+    clock = 0
+
+    def changed_at(*nodes: int) -> None:
+        for x in nodes:
+            near[x] = clock
+            for y in adjacency[x]:
+                near[y] = clock
 
     def context(r: int, skip: int = -1) -> np.ndarray:
         total = problem.cost[r].copy()
-        for u in adjacency[r]:
+        for u, m in rows[r]:
             if u != skip:
-                total += edge_rows(problem, r, u)[:, choice[u]]
+                total += m[:, choice[u]]
         return total
 
     for _ in range(sweeps):
@@ -53,13 +77,20 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
         for r in problem.reps:
             if r in problem.forced:
                 continue
+            if looked.get(r, -2) >= near[r]:
+                continue
             total = context(r)
             best = int(np.argmin(total))
             if better(total[best], total[choice[r]]):
                 choice[r] = best
+                clock += 1
+                changed_at(r)
                 changed = True
+            looked[r] = clock
         for u, v in problem.edges:
             if u in problem.forced and v in problem.forced:
+                continue
+            if looked.get((u, v), -2) >= max(near[u], near[v]):
                 continue
             joint = context(u, v)[:, None] + context(v, u)[None, :] + problem.edges[(u, v)]
             if u in problem.forced:
@@ -69,7 +100,10 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
             ku, kv = np.unravel_index(int(np.argmin(joint)), joint.shape)
             if better(joint[ku, kv], joint[choice[u], choice[v]]):
                 choice[u], choice[v] = int(ku), int(kv)
+                clock += 1
+                changed_at(u, v)
                 changed = True
+            looked[(u, v)] = clock
         if not changed:
             break
     return choice

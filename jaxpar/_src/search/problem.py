@@ -137,7 +137,11 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     # nodes with one key share one list, and the caches below are keyed by it.
     kinds: dict[int, tuple] = {}
     filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
-    dead = useless_factors(space, pins)  # splits no contraction can use (search/useful.py)
+    # Splits no contraction can use (search/useful.py); the same for every bucket size.
+    unpriced_key = (tuple(pins), tuple(ties), fully_use_devices)
+    dead = space.unpriced.get(("useless", unpriced_key))
+    if dead is None:
+        dead = space.unpriced[("useless", unpriced_key)] = useless_factors(space, pins)
     for nid in searchable:
         if nid in pinned:
             kinds[nid] = ("pin", pinned[nid].strategy)
@@ -281,7 +285,14 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
 
     forced = {r: 0 for r in reps if r in pinned}
     at_build = (list(reps), dict(cands), dict(forced))  # as they are now, whenever asked
-    groups = LazyGroups(lambda: _layer_groups(space, at_build[0], at_build[1], at_build[2]))
+    # Candidates, followers and pins, so the groups, do not depend on prices: a build of the
+    # same pins on the space with gradient all-reduces priced alone (``SearchSpace.alone``)
+    # shares them.
+    groups = space.unpriced.get(("groups", unpriced_key))
+    if groups is None or not share:
+        groups = LazyGroups(lambda: _layer_groups(space, at_build[0], at_build[1],
+                                                  at_build[2]))
+        space.unpriced[("groups", unpriced_key)] = groups
     origins = {p.node: p.origin for p in pins}
     priced = {"nodes": len(vectors), "of_nodes": len(searchable), "edges": len(matrices),
               "of_edges": edges_between}
