@@ -145,10 +145,16 @@ def test_sync_equals_data_parallel_then_workers_read_their_own_parts():
         trainer.train(ps.read_on_workers(read_part, BATCH))
 
 
-def test_elastic_workers_and_worker_faults_keep_data_parallel_numbers():
+def test_elastic_workers_worker_faults_and_a_dead_server_keep_data_parallel_numbers(tmp_path):
+    """One trainer (its actors start once) for two runs that each end where data-parallel
+    training on the same batches does: 9 steps with workers added, killed, failing half-way
+    through a push and removed; then 8 steps in which a server dies and comes back from its
+    checkpoint."""
     x, y = digits()
     data = batches(x, y, 9, seed=1)
-    expected, _, _ = data_parallel(init_params(), data)
+    expected, _, state = data_parallel(init_params(), data)
+    data2 = batches(x, y, 8, seed=2)
+    expected2, _, _ = data_parallel(expected, data2, state)
     added = []
 
     def chaos(trainer, info):
@@ -161,11 +167,21 @@ def test_elastic_workers_and_worker_faults_keep_data_parallel_numbers():
         if info.step == 6:
             trainer.remove_worker(2)  # leaves at step 7
 
-    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2,
-                                   worker_num=3) as trainer:
+    killed = []
+
+    def kill_server(trainer, info):
+        if info.step == 15 and not killed:  # 16 steps done; the last checkpoint is step 15
+            killed.append(True)
+            ray.kill(trainer.servers[1])
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
+                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
         history = trainer.train(data, callbacks=[chaos])
         got = trainer.params
         report = trainer.report()
+        history2 = trainer.train(data2, callbacks=[kill_server])
+        got2 = trainer.params
+        report2 = trainer.report()
     workers = [h.workers for h in history]
     assert workers[:2] == [(0, 1, 2)] * 2
     assert workers[2:7] == [(0, 1, 2, added[0])] * 5  # picked up at the next step
@@ -174,29 +190,16 @@ def test_elastic_workers_and_worker_faults_keep_data_parallel_numbers():
     assert report.worker_restarts == 2
     assert report.duplicates_ignored == 1  # worker 1's part of step 5, pushed again
     assert report.applied == (sum(map(len, workers)),) * 2
+    assert report.server_restores == 0 and report.redone_steps == 0
 
-
-def test_a_dead_server_restores_its_checkpoint(tmp_path):
-    x, y = digits()
-    data = batches(x, y, 8, seed=2)
-    expected, _, _ = data_parallel(init_params(), data)
-    killed = []
-
-    def kill_server(trainer, info):
-        if info.step == 6 and not killed:  # 7 steps done; the last checkpoint is step 6
-            killed.append(True)
-            ray.kill(trainer.servers[1])
-
-    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
-                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
-        history = trainer.train(data, callbacks=[kill_server])
-        got = trainer.params
-        report = trainer.report()
-    assert report.server_restores == 1
-    assert report.redone_steps == 1  # step 6 (the 7th) computed again
-    assert [h.step for h in history] == [0, 1, 2, 3, 4, 5, 6, 6, 7]
-    assert report.steps == (8, 8) and report.applied == (24, 24)
-    assert_same_params(got, expected)
+    assert report2.server_restores == 1
+    assert report2.redone_steps == 1  # step 15 (the 7th of this run) computed again
+    assert [h.step for h in history2] == [9, 10, 11, 12, 13, 14, 15, 15, 16]
+    assert all(h.workers == (0, 1, added[0]) for h in history2)
+    assert report2.steps == (17, 17)
+    assert report2.applied == (report.applied[0] + 3 * 8,) * 2  # the redone step counted once
+    assert report2.worker_restarts == 2
+    assert_same_params(got2, expected2)
     assert sorted(os.listdir(tmp_path)) == ["server_0", "server_1"]
 
 
