@@ -44,11 +44,11 @@ def digits_dataset(batch=64, n=512):
     return ds.NumpySlicesDataset((x, y), ["image", "label"]).batch(batch, drop_remainder=True)
 
 
-def train_losses(mode, epochs=2, **context):
+def train_losses(mode, epochs=2, n=512, **context):
     model = jaxpar.Model((dense_params(), dense_apply), cross_entropy, optax.sgd(0.5),
                          metrics={"accuracy": jaxpar.metrics.Accuracy()})
     with jaxpar.auto_parallel_context(parallel_mode=mode, **context):
-        model.train(epochs, digits_dataset())
+        model.train(epochs, digits_dataset(n=n))
     return model
 
 
@@ -153,9 +153,14 @@ def test_mixed_precision_and_loss_scaling_through_model():
 def test_pynative_gives_the_graph_mode_losses(mode):
     context = {"mesh": jaxpar.make_mesh((8,), ("dp",)),
                "dataset_strategy": ((8, 1), (8,))} if mode == "semi_auto_parallel" else {}
-    graph = train_losses(mode, epochs=1, **context)
+    # 3 steps: the first loss, then two that start from parameters the eager step updated
+    # (an eager data-parallel step dispatches every replica's operators one by one: seconds a
+    # step on two cores; the graph-mode losses of all 16 steps are checked against one device
+    # in the first test)
+    graph = train_losses(mode, epochs=1, n=192, **context)
     jaxpar.set_context(mode=jaxpar.PYNATIVE_MODE)
-    eager = train_losses(mode, epochs=1, **context)
+    eager = train_losses(mode, epochs=1, n=192, **context)
+    assert len(eager.history) == 3
     np.testing.assert_allclose(eager.history, graph.history, rtol=1e-5, atol=1e-6)
 
 
