@@ -19,8 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from jaxpar._src.errors import PlanError
 from jaxpar._src.search.problem import Problem
@@ -41,6 +39,14 @@ class IlpResult:
     variables: int
     constraints: int
     bound: float | None = None  # a proven lower bound of the optimum (seconds), if not optimal
+
+
+def milp(c: np.ndarray, **kwargs: Any) -> Any:
+    """``scipy.optimize.milp`` (HiGHS), imported on the first solve: importing scipy.optimize
+    costs 0.4 s, which every process importing jaxpar (Ray actors, launched ranks) would pay."""
+    from scipy.optimize import milp as highs
+
+    return highs(c, **kwargs)
 
 
 def ilp_variables(problem: Problem, *, limit: float = np.inf,
@@ -224,6 +230,10 @@ class _Program:
         ub[banned] = 0.0
         cost[banned] = 0.0
         self.cost, self.total, self.constraints = cost, total, count
+        # imported here, not at the top: see milp
+        from scipy import sparse
+        from scipy.optimize import Bounds, LinearConstraint
+
         self.bounds = Bounds(lb, ub)
         a = sparse.csr_matrix((np.concatenate(vals),
                                (np.concatenate(rows), np.concatenate(cols))), shape=(count, total))
