@@ -73,22 +73,34 @@ def _contracted(node: Node, in_specs: tuple[Spec, ...]) -> tuple[tuple[str, ...]
     return axes, Spec(tuple(out))
 
 
-def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int] | None:
+def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | None:
     """For a reader that only moves dimensions around (``None`` otherwise): its result's
-    dimension ``i`` is operand ``index``'s dimension ``perm[i]``."""
+    dimension ``i`` is operand ``index``'s dimension ``perm[i]`` (``None``: a new dimension of
+    size 1).  A ``reshape`` or ``reduce_sum`` that only adds or drops dimensions of size 1 is
+    one (the bias gradient: a ``reduce_sum`` over the batch, reshaped to ``(1, n)``, summed
+    over that 1)."""
     if node.kind is not NodeKind.OP or len(node.outputs) != 1 or node.eqn.effects:
         return None
     if node.name == "transpose":
         return list(node.eqn.params["permutation"])
-    if node.name not in _KEEP:
-        return None
     operand = node.inputs[index]
     assert not isinstance(operand, Const)  # a value of the graph: the contraction's, or after
     shape = graph.values[operand].shape
+    out = graph.values[node.outputs[0]].shape
+    if node.name in ("reshape", "reduce_sum") and len(node.inputs) == 1:
+        if node.name == "reduce_sum" and any(shape[a] != 1 for a in node.eqn.params["axes"]):
+            return None
+        kept = [k for k, n in enumerate(shape) if n != 1]
+        if [shape[k] for k in kept] != [n for n in out if n != 1]:
+            return None
+        source = iter(kept)
+        return [None if n == 1 else next(source) for n in out]
+    if node.name not in _KEEP:
+        return None
     for k, o in enumerate(node.inputs):
         if k != index and (o.shape if isinstance(o, Const) else graph.values[o].shape) != ():
             return None
-    if graph.values[node.outputs[0]].shape != shape:
+    if out != shape:
         return None
     return list(range(len(shape)))
 
@@ -127,9 +139,10 @@ def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[
     split; the scatter and the new (in, out) layouts of ``node`` and the operators between,
     or ``None`` when some reader takes it otherwise."""
     # (value, its dimension per dimension of node's result); breadth first over the readers
-    frontier = [(node.outputs[0], list(range(len(graph.values[node.outputs[0]].shape))))]
+    frontier: list[tuple[int, list[int | None]]] = [
+        (node.outputs[0], list(range(len(graph.values[node.outputs[0]].shape))))]
     # reader -> (operand index, the operand's dims, the result's dims)
-    between: dict[int, tuple[int, list[int], list[int]]] = {}
+    between: dict[int, tuple[int, list[int | None], list[int | None]]] = {}
     added: tuple[str, ...] | None = None
     dim: int | None = None
     while frontier:
@@ -141,11 +154,12 @@ def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[
             rd = decisions[reader.id]
             read = rd.in_specs[use.in_index]
             perm = _keeps_layout(graph, reader, use.in_index)
-            if perm is not None and read == spec and \
-                    rd.out_specs[0] == Spec(tuple(spec.dims[p] for p in perm)) and \
+            if perm is not None and read == spec and rd.out_specs[0] == Spec(tuple(
+                    () if p is None else spec.dims[p] for p in perm)) and \
                     reader.id not in between:
-                between[reader.id] = (use.in_index, dims, [dims[p] for p in perm])
-                frontier.append((reader.outputs[0], [dims[p] for p in perm]))
+                moved = [None if p is None else dims[p] for p in perm]
+                between[reader.id] = (use.in_index, dims, moved)
+                frontier.append((reader.outputs[0], moved))
                 continue
             # a reader that takes it split: one dimension gains contracted axes at its end
             grown = [k for k, (a, b) in enumerate(zip(spec.dims, read.dims, strict=True))
@@ -154,8 +168,8 @@ def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[
                     spec.dims[grown[0]]:
                 return None
             extra = read.dims[grown[0]][len(spec.dims[grown[0]]):]
-            if not set(extra) <= set(contracted) or (added is not None and (
-                    extra != added or dims[grown[0]] != dim)):
+            if dims[grown[0]] is None or not set(extra) <= set(contracted) or (
+                    added is not None and (extra != added or dims[grown[0]] != dim)):
                 return None
             added, dim = extra, dims[grown[0]]
     if added is None or dim is None:
