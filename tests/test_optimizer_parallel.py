@@ -259,7 +259,8 @@ def test_levels_1_2_reduce_scatter_the_gradients(level, monkeypatch):
     reduce-scatter creator pass): every gradient (weights and bias: Ψ) is reduce-scattered
     once, the only all-reduce over the batch axis is the loss's, and the numbers equal one
     device and data parallel.  On a (2, 4) mesh over both axes, and with the weights split
-    over ``mp`` too (manual over every axis); the evaluator (``lower.py``) and the annotated jaxpr (``annotate.py``) agree."""
+    over ``mp`` too (manual over every axis); the evaluator (``lower.py``) and the annotated
+    jaxpr (``annotate.py``) agree."""
     step, args = _problem()
     single = jax.jit(step)(*args)
     psi = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
