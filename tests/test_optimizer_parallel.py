@@ -118,9 +118,9 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
     """Levels 1-2 all-gather the updated parameters once (Ψ bytes); level 3 gathers them for
     the forward pass (Ψ) and again for the backward pass (ZeRO-3's second all-gather: ``w2``,
     read by ``dh = dy @ w2ᵀ``; ``w1``'s backward read makes ``dx``, which nothing needs, and
-    ``b1`` is added, not read whole); plain data parallel gathers nothing.  The gradient
-    all-reduce stays full size on XLA:CPU (no reduce-scatter creator pass there; XLA:GPU's
-    pass would make it one, not checked here)."""
+    ``b1`` is added, not read whole); plain data parallel gathers nothing.  Data parallel and
+    level 3 all-reduce the gradients (Ψ); levels 1-2 reduce-scatter them (see
+    ``test_levels_1_2_reduce_scatter_the_gradients``) and all-reduce only the loss."""
     args, out, _ = compiled_levels
     psi = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
     for level, (compiled, _) in out.items():
@@ -128,8 +128,9 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
         gathered = colls.total_bytes("all-gather")
         again = args[0]["w2"].size * 4 if level == 3 else 0
         assert gathered == (0 if level == 0 else psi + again), (level, colls.table())
-        # one gradient all-reduce of Ψ (+ the loss), as data parallel: no extra one
-        assert colls.total_bytes("all-reduce") <= psi + 8, (level, colls.table())
+        # one gradient all-reduce of Ψ (+ the loss), as data parallel; levels 1-2: the loss
+        reduced = 4 if level in (1, 2) else psi + 4
+        assert colls.total_bytes("all-reduce") == reduced, (level, colls.table())
 
 
 def test_threshold_and_shard_size_follow_mindspore():
