@@ -20,6 +20,20 @@ partitioner gathers the result over them before the reduce-scatter (seen on a (2
 The plan itself (``plan.collectives``, the cost model) is unchanged: it still prices an
 all-reduce there.  Only plans with the parallel optimizer at level 1 or 2 turn this on
 (``make_evaluator(scatter=True)``).
+
+>>> import jax.numpy as jnp, optax, jaxpar
+>>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 8))}
+>>> def step(p, s, x):
+...     g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(p)
+...     u, s = tx.update(g, s, p)
+...     return optax.apply_updates(p, u), s
+>>> with jaxpar.auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+...         "optimizer_level": "level1", "parallel_optimizer_threshold": 0}):
+...     f = jaxpar.parallelize(step, mesh=jaxpar.make_mesh((8,), ("dp",)),
+...                            parallel_mode="data_parallel")
+...     colls = jaxpar.inspect.collectives(f.lower(p, tx.init(p), jnp.ones((64, 16))))
+>>> colls.count("reduce-scatter"), colls.count("all-reduce"), colls.count("all-gather")
+(1, 0, 1)
 """
 
 from __future__ import annotations
