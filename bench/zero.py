@@ -10,8 +10,10 @@ partitioned HLO by kind (count and payload bytes per device) with their ring wir
 of Ψ (the parameters' bytes).  The last row is ``jax.jit`` given level 3's input and output
 shardings (XLA's own propagation of the same FSDP layout).  Known answer (ZeRO, Rajbhandari et
 al. 2020, section 7): levels 1-2 move 2Ψ per device and step, as data parallel; level 3 3Ψ.
-XLA:CPU keeps the gradient all-reduce (2Ψ) where XLA:GPU's reduce-scatter creator makes it a
-reduce-scatter (Ψ), so levels 1-2 read 3Ψ here.  Level 3 all-gathers each parameter before
+At levels 1-2 jaxpar's lowering reduce-scatters the gradients (``jaxpar/_src/scatter.py``;
+XLA:CPU would keep an all-reduce and a slice, 3Ψ): 2Ψ, as data parallel, is (n-1)/n * 2Ψ =
+1.75Ψ on the wire here; the embedding's gradient (a scatter-add) stays all-reduced.  Level 3
+all-gathers each parameter before
 its forward use and again before its backward use (``jaxpar/_src/regather.py``), ZeRO-3's
 second all-gather: its total is below level 1's.  Compare totals, not temporaries: XLA also
 places temporaries in the output buffers (whole parameters at levels 0-2; "off" shows none).
@@ -127,8 +129,8 @@ def table(rows: list[dict]) -> list[str]:
              "total = arguments + outputs - aliased + temporaries), the parameters' and the "
              "optimizer state's bytes from the input shardings, jaxpar's predicted peak; "
              "collectives of the partitioned HLO: count / MiB payload per device; wire bytes "
-             "(ring) in Ψ.  ZeRO's paper: 2Ψ for levels 1-2, 3Ψ for level 3 (XLA:CPU keeps "
-             "the 2Ψ gradient all-reduce where GPUs reduce-scatter Ψ).  Level 3 gathers each "
+             "(ring) in Ψ; 2Ψ in ZeRO's units is 1.75Ψ on 8 devices.  ZeRO's paper: 2Ψ for "
+             "levels 1-2 (reduce-scatter, all-gather), 3Ψ for level 3.  Level 3 gathers each "
              "parameter for the forward pass and again for the backward pass.  XLA also keeps "
              "temporaries in the output buffers: compare totals.",
              "",

@@ -118,9 +118,9 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
     """Levels 1-2 all-gather the updated parameters once (Ψ bytes); level 3 gathers them for
     the forward pass (Ψ) and again for the backward pass (ZeRO-3's second all-gather: ``w2``,
     read by ``dh = dy @ w2ᵀ``; ``w1``'s backward read makes ``dx``, which nothing needs, and
-    ``b1`` is added, not read whole); plain data parallel gathers nothing.  The gradient
-    all-reduce stays full size on XLA:CPU (no reduce-scatter creator pass there; XLA:GPU's
-    pass would make it one, not checked here)."""
+    ``b1`` is added, not read whole); plain data parallel gathers nothing.  Data parallel and
+    level 3 all-reduce the gradients (Ψ); levels 1-2 reduce-scatter them (see
+    ``test_levels_1_2_reduce_scatter_the_gradients``) and all-reduce only the loss."""
     args, out, _ = compiled_levels
     psi = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
     for level, (compiled, _) in out.items():
@@ -128,8 +128,9 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
         gathered = colls.total_bytes("all-gather")
         again = args[0]["w2"].size * 4 if level == 3 else 0
         assert gathered == (0 if level == 0 else psi + again), (level, colls.table())
-        # one gradient all-reduce of Ψ (+ the loss), as data parallel: no extra one
-        assert colls.total_bytes("all-reduce") <= psi + 8, (level, colls.table())
+        # one gradient all-reduce of Ψ (+ the loss), as data parallel; levels 1-2: the loss
+        reduced = 4 if level in (1, 2) else psi + 4
+        assert colls.total_bytes("all-reduce") == reduced, (level, colls.table())
 
 
 def test_threshold_and_shard_size_follow_mindspore():
@@ -250,3 +251,45 @@ def test_auto_parallel_search_keeps_the_split_state():
     for name, spec in plan.input_layouts().items():
         if name.startswith(("params.", "opt_state.0.mu.", "opt_state.0.nu.")):
             assert spec == P(("dp", "mp")), (name, spec)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_levels_1_2_reduce_scatter_the_gradients(level, monkeypatch):
+    """ZeRO-1/2's gradients: reduce-scattered where the backward pass contracts over the
+    batch (``jaxpar/_src/scatter.py``), not all-reduced whole and sliced (XLA:CPU has no
+    reduce-scatter creator pass): every gradient (weights and bias: Ψ) is reduce-scattered
+    once, the only all-reduce over the batch axis is the loss's, and the numbers equal one
+    device and data parallel.  On a (2, 4) mesh over both axes, and with the weights split
+    over ``mp`` too (manual over every axis); the evaluator (``lower.py``) and the annotated
+    jaxpr (``annotate.py``) agree."""
+    step, args = _problem()
+    single = jax.jit(step)(*args)
+    psi = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
+    tp = {"w1": P(None, "mp"), "b1": P("mp"), "w2": P("mp")}  # the moments laid out alike
+    moments = jax.tree.map(lambda x: P() if x.ndim == 0 else None, args[1])
+    moments[0].mu.update(tp), moments[0].nu.update(tp)
+    cases = [(jaxpar.make_mesh((8,), ("dp",)), dict(parallel_mode="data_parallel"), 1),
+             (jaxpar.make_mesh((2, 4), ("dp", "mp")), dict(parallel_mode="data_parallel"), 1),
+             (jaxpar.make_mesh((2, 4), ("dp", "mp")),
+              dict(parallel_mode="semi_auto_parallel",
+                   in_strategy=(tp, moments, P("dp"), P("dp"))), 4)]
+    for mesh, kw, mp in cases:
+        with jaxpar.auto_parallel_context(**_zero(level, parallel_optimizer_threshold=0)):
+            f = jaxpar.parallelize(step, **kw, mesh=mesh)
+            compiled = f.lower(*args).compile()
+            result = f(*args)
+        with jaxpar.auto_parallel_context():
+            dp = jaxpar.parallelize(step, **kw, mesh=mesh)(*args)
+        colls = jaxpar.inspect.collectives(compiled)
+        assert colls.total_bytes("reduce-scatter") == psi // mp, (mesh, colls.table())
+        # over the batch axis, only the f32 loss (over mp: the tensor-parallel activation's)
+        over_dp = sum(c.nbytes for c in colls.of("all-reduce") if "dp" in c.axes)
+        assert over_dp == 4, (mesh, colls.table())
+        assert_tree_close(result, single, rtol=1e-5, atol=1e-6)
+        assert_tree_close(result, dp, rtol=1e-5, atol=1e-6)
+        if mp == 1:  # the same program when the graph is evaluated instead of written down
+            with monkeypatch.context() as m, jaxpar.auto_parallel_context(
+                    **_zero(level, parallel_optimizer_threshold=0)):
+                m.setattr("jaxpar._src.lower.can_annotate", lambda graph: False)
+                evaluated = jaxpar.parallelize(step, **kw, mesh=mesh).lower(*args).compile()
+            assert jaxpar.inspect.collectives(evaluated).table() == colls.table()

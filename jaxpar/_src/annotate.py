@@ -42,6 +42,7 @@ from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
+from jaxpar._src.scatter import Scatter, scatter_fn
 from jaxpar._src.spec import Spec
 
 
@@ -62,7 +63,8 @@ def can_annotate(graph: OpGraph) -> bool:
 
 
 def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int],
-                     name: str, regather: Regather = NO_REGATHER) -> Callable[..., list[Any]]:
+                     name: str, regather: Regather = NO_REGATHER,
+                     scatters: dict[int, Scatter] | None = None) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves``, like :func:`lower.make_evaluator`'s, that binds the
     annotated jaxpr as one nested call (``graph`` must pass :func:`can_annotate`)."""
     consts = [n for n in graph.nodes if n.kind is NodeKind.CONST]
@@ -70,7 +72,8 @@ def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: froz
     def run(*leaves: Any) -> list[Any]:
         values = [jnp.asarray(n.constant) for n in consts]
         avals = [jax.typeof(x) for x in (*leaves, *values)]
-        closed = _Annotator(graph, plan, mesh, loose, regather).build(avals, [n.id for n in consts])
+        closed = _Annotator(graph, plan, mesh, loose, regather, scatters or {}).build(
+            avals, [n.id for n in consts])
         return call_closed_jaxpr(closed, [*leaves, *values], name=name)
 
     return run
@@ -78,9 +81,10 @@ def annotated_runner(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: froz
 
 class _Annotator:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, loose: frozenset[int],
-                 regather: Regather) -> None:
+                 regather: Regather, scatters: dict[int, Scatter]) -> None:
         self.graph, self.plan, self.mesh, self.loose = graph, plan, mesh, loose
         self.regather = regather
+        self.scatters = scatters
         self.eqns: list[jcore.JaxprEqn] = []
         self._templates: dict[tuple[Spec, int], jcore.JaxprEqn] = {}
         self._copies: dict[tuple[int, Spec, bool], jcore.Var] = {}
@@ -122,6 +126,9 @@ class _Annotator:
                   for o, s, v in zip(node.inputs, d.in_specs, eqn.invars, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invars[:1]
+        elif nid in self.scatters:  # ZeRO 1-2: the split gradient by reduce-scatter
+            outs = self._inline(scatter_fn(node, d.in_specs, d.out_specs[0],
+                                           self.scatters[nid], self.mesh), invars, nid)
         else:
             outs = [jcore.Var(v.aval) for v in eqn.outvars]
             self.eqns.append(jcore.new_jaxpr_eqn(
@@ -148,6 +155,25 @@ class _Annotator:
                                                                            operand))], nid)
             copy = self._copies[key] = self._constrain(x, spec, nid)
         return copy
+
+    def _inline(self, fn: Callable[..., Any], xs: list[Any], nid: int) -> list[Any]:
+        """The equations of ``fn`` traced on ``xs``'s avals, written down on ``xs`` (as the
+        evaluator's call of ``fn`` binds them)."""
+        closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
+                                      for x in xs))
+        assert not closed.consts, "a traced scatter with constants"
+        env: dict[Any, Any] = dict(zip(closed.jaxpr.invars, xs, strict=True))
+
+        def get(v: Any) -> Any:
+            return v if isinstance(v, jcore.Literal) else env[v]
+
+        for eqn in closed.jaxpr.eqns:
+            outs = [jcore.Var(v.aval) for v in eqn.outvars]
+            env.update(zip(eqn.outvars, outs, strict=True))
+            self.eqns.append(jcore.new_jaxpr_eqn(
+                [get(v) for v in eqn.invars], outs, eqn.primitive, eqn.params, eqn.effects,
+                scoped_source_info(eqn.source_info, self._scope(nid)), eqn.ctx))
+        return [get(v) for v in closed.jaxpr.outvars]
 
     def _barrier(self, xs: list[Any], nid: int) -> jcore.Var:
         """``optimization_barrier(xs)[0]``, as the evaluator binds it."""

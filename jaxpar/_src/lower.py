@@ -40,6 +40,7 @@ from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
 from jaxpar._src.rules.elementwise import BINARY, UNARY
+from jaxpar._src.scatter import Scatter, find_scatters, scatter_fn
 from jaxpar._src.spec import Spec
 
 
@@ -57,17 +58,21 @@ def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 
 def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
                    constrain: bool = True, loose: bool = True, annotate: bool = True,
-                   name: str = "jaxpar") -> Callable[..., list[Any]]:
+                   name: str = "jaxpar", scatter: bool = False) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
     (``loose=False``: on every result, :func:`loose_values` too).  Straight-line graphs are
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
     always evaluate).  Level 3's parameters are gathered again for the backward pass
-    (:mod:`regather`)."""
+    (:mod:`regather`); ``scatter=True`` (ZeRO levels 1-2) makes the split gradients by
+    reduce-scatter (:mod:`scatter`)."""
     regather = Regather.of(graph, plan) if constrain else NO_REGATHER
+    scatters: dict[int, Scatter] = {}
+    if scatter and constrain:
+        plan, scatters = find_scatters(graph, plan)
     if annotate and constrain and can_annotate(graph):
         return annotated_runner(graph, plan, mesh, loose_values(graph, plan) if loose
-                                else frozenset(), name, regather)
-    return _Evaluator(graph, plan, mesh, constrain, loose, regather).run
+                                else frozenset(), name, regather, scatters)
+    return _Evaluator(graph, plan, mesh, constrain, loose, regather, scatters).run
 
 
 # Primitives that lower to one elementwise HLO operation: a result in the layout of its
@@ -122,9 +127,11 @@ def evaluate_nodes(graph: OpGraph, plan: ShardingPlan, mesh: Any, seq: Sequence[
 
 class _Evaluator:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh, constrain: bool,
-                 loose: bool = True, regather: Regather = NO_REGATHER) -> None:
+                 loose: bool = True, regather: Regather = NO_REGATHER,
+                 scatters: dict[int, Scatter] | None = None) -> None:
         self.graph = graph
         self.regather = regather
+        self.scatters = scatters or {}
         self.plan = plan
         self.mesh = mesh
         self.constrain_all = constrain
@@ -250,6 +257,9 @@ class _Evaluator:
                   for o, s in zip(node.inputs, d.in_specs, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invals[:1]
+        elif node.id in self.scatters:  # ZeRO 1-2: the split gradient by reduce-scatter
+            outs = [scatter_fn(node, d.in_specs, d.out_specs[0], self.scatters[node.id],
+                               self.mesh)(*invals)]
         else:
             outs = bind_equation(node.eqn, invals, here=self.here)
         for vid, val, spec in zip(node.outputs, outs, d.out_specs, strict=True):

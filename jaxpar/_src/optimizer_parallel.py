@@ -13,12 +13,12 @@ otherwise hold identical copies (MindSpore: the parameter's "repeated" devices):
 
 Nothing else changes: the layouts are pins like any user strategy, and XLA's SPMD partitioner
 inserts the collectives, as MaxText and Levanter do with their ``fsdp`` axis.  The update runs on
-each device's slice; the gradient reaches it by reduce-scatter on GPU (XLA's GPU pass
-``xla/service/gpu/transforms/reduce_scatter_creator.cc`` turns an all-reduce followed by a
-slice into one; XLA:CPU has no such pass and keeps the all-reduce and a local slice) and the
-updated parameters are all-gathered (levels 1-2) or stay split (level 3).  ZeRO's paper
-(Rajbhandari et al., 2020, section 7) gives the communication per step: ``2Ψ`` for levels 1-2,
-as data parallel's all-reduce, and ``3Ψ`` for level 3.
+each device's slice; at levels 1-2 the gradient reaches it by reduce-scatter: the lowering
+makes it one (:mod:`jaxpar._src.scatter`), since XLA:CPU, unlike XLA:GPU
+(``xla/service/gpu/transforms/reduce_scatter_creator.cc``), would keep the all-reduce and a
+local slice.  The updated parameters are all-gathered (levels 1-2) or stay split (level 3).
+ZeRO's paper (Rajbhandari et al., 2020, section 7) gives the communication per step: ``2Ψ``
+for levels 1-2, as data parallel's all-reduce, and ``3Ψ`` for level 3.
 
 Which arrays are split follows MindSpore's ``OptParamMgrImpl::SplitParam`` and
 ``TensorLayout::GenerateOptShardSliceShape`` (``frontend/parallel/parallel_optimizer/
@@ -314,8 +314,8 @@ def shard_gradients(grads: Any, opt: OptimizerParallel | None) -> Any:
 def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
     """``"optimizer_level": "auto"``: the plan of the least-communication setting whose
     predicted peak memory per device (``plan.memory_bytes``) fits ``budget``, trying the
-    parallel optimizer off (data parallel's 2Ψ), then level 1 (2Ψ on GPUs, one more
-    all-gather on CPU) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
+    parallel optimizer off (data parallel's 2Ψ), then level 1 (2Ψ: reduce-scatter and
+    all-gather) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
     adds nothing to level 1 in a function's own step (its gradients are temporaries the plan
     already splits where the optimizer state needs them).  The choice is a note of the plan.
 
