@@ -516,9 +516,10 @@ class Parallelized:
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
         opt = settings.optimizer  # ZeRO 1-2: split gradients by reduce-scatter (scatter.py)
+        regather = Regather.of(graph, plan) if constrain else Regather()  # ZeRO 3 (regather.py)
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),
-                             scatter=opt is not None and opt.level in (1, 2))
+                             scatter=opt is not None and opt.level in (1, 2), regather=regather)
         flat_in = tuple(named_sharding(mesh, a if a is not None else s)
                         for s, a in zip(plan.input_specs, arrivals, strict=True))
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.
@@ -546,7 +547,7 @@ class Parallelized:
                          static_argnums=info.static_argnums, donate_argnums=info.donate_argnums,
                          compiler_options=cpu_memory_scheduler(
                              mesh.devices.flat[0].platform, graph) or regather_options(
-                             mesh.devices.flat[0].platform, Regather.of(graph, plan)))
+                             mesh.devices.flat[0].platform, regather))
         return jitted, flat_in
 
 

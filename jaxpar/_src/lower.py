@@ -58,14 +58,16 @@ def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 
 def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
                    constrain: bool = True, loose: bool = True, annotate: bool = True,
-                   name: str = "jaxpar", scatter: bool = False) -> Callable[..., list[Any]]:
+                   name: str = "jaxpar", scatter: bool = False,
+                   regather: Regather | None = None) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
     (``loose=False``: on every result, :func:`loose_values` too).  Straight-line graphs are
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
     always evaluate).  Level 3's parameters are gathered again for the backward pass
-    (:mod:`regather`); ``scatter=True`` (ZeRO levels 1-2) makes the split gradients by
-    reduce-scatter (:mod:`scatter`)."""
-    regather = Regather.of(graph, plan) if constrain else NO_REGATHER
+    (:mod:`regather`; ``regather``: what the caller found already); ``scatter=True`` (ZeRO
+    levels 1-2) makes the split gradients by reduce-scatter (:mod:`scatter`)."""
+    if regather is None:
+        regather = Regather.of(graph, plan) if constrain else NO_REGATHER
     scatters: dict[int, Scatter] = {}
     if scatter and constrain:
         plan, scatters = find_scatters(graph, plan)

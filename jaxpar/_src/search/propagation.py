@@ -108,12 +108,11 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
             tied = _tied_strategy(space, other, strategies[u])
             if tied is not None:
                 decide(other, tied, "state")
-    answers: dict[tuple, OpStrategy] = {}  # repeated layers ask the same question
     while heap:
         cls, _, v = heapq.heappop(heap)
         if v in strategies or cls != readiness(v):
             continue  # decided already, or a fresher entry with a better class is queued
-        decide(v, best_response(space, v, strategies, answers), "propagated")
+        decide(v, best_response(space, v, strategies), "propagated")
     for node in graph.searchable():
         if node.id not in strategies:
             strategies[node.id] = space.candidates(node.id)[0]
@@ -153,14 +152,8 @@ def _anchored(pinned: Sequence[int], consumers: dict[int, set[int]]) -> set[int]
     return seen
 
 
-def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
-                  answers: dict[tuple, OpStrategy] | None = None) -> OpStrategy:
-    """The candidate of ``v`` that fits its decided neighbours best (module docstring order).
-
-    ``answers`` remembers them by everything the answer depends on (the node's rule, shapes,
-    dtypes, weight and gradient bucket; per edge to a decided neighbour, in order, its ports,
-    the neighbour's strategy, the value's shape and dtype and the edge's weight): the layers
-    of a deep model ask the same questions (issue 14)."""
+def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) -> OpStrategy:
+    """The candidate of ``v`` that fits its decided neighbours best (module docstring order)."""
     graph = space.graph
     edges: list[tuple[Edge, OpStrategy]] = []  # to decided neighbours, with their strategy
     for e in graph.neighbours(v):
@@ -168,26 +161,6 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
         if other == v or other not in decided or graph.nodes[other].kind is NodeKind.CONTROL:
             continue
         edges.append((e, decided[other]))
-    key = None
-    if answers is not None:
-        node = graph.nodes[v]
-        key = (space.rule(v), node.weight, space.bucket_of(v),
-               tuple((graph.operand_shape(o), graph.operand_dtype(o)) for o in node.inputs),
-               tuple((graph.values[o].shape, graph.values[o].dtype) for o in node.outputs),
-               tuple((e.producer == v, e.out_index, e.in_index, other,
-                      graph.values[graph.nodes[e.producer].outputs[e.out_index]].shape,
-                      graph.values[graph.nodes[e.producer].outputs[e.out_index]].dtype,
-                      space.edge_weight(e.producer, e.consumer)) for e, other in edges))
-        found = answers.get(key)
-        if found is not None:
-            return found
-        answers[key] = found = _best_response(space, v, edges)
-        return found
-    return _best_response(space, v, edges)
-
-
-def _best_response(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]
-                   ) -> OpStrategy:
     # Fast path: the candidate that matches every decided neighbour exactly and splits nothing
     # else, if it needs no communication of its own, wins on every criterion.
     wanted: dict[tuple[str, int], Spec] = {}
