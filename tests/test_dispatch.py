@@ -103,3 +103,26 @@ def test_alternating_signatures_stay_right_and_back_off():
         np.testing.assert_array_equal(f(a), np.arange(8.0) * 3)
         np.testing.assert_array_equal(f(b), np.arange(16.0) * 3)
     assert f._fast._misses >= 2  # it gave up, and now waits longer before trying again
+
+
+def test_arguments_are_placed_in_one_transfer(monkeypatch):
+    """The leaves not yet where the plan wants them move in one ``jax.device_put`` (JAX batches
+    its transfers); leaves already there and Python scalars pass as they
+    are, and every placed leaf has the plan's layout and its values."""
+    from jaxpar._src import api
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    row, rep = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+    there = jax.device_put(jnp.arange(8.0), row)
+    leaves = [jnp.arange(8.0), there, 3.0, jnp.ones((4, 4)), jax.device_put(jnp.ones(4), rep)]
+    shardings = [row, row, rep, rep, rep]
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(api.jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
+    out = api._place_all(leaves, shardings)
+    assert len(calls) == 1 and len(calls[0][0]) == 2  # the two uncommitted arrays, together
+    assert out[1] is there and out[2] == 3.0 and out[4] is leaves[4]
+    for x, y, s in zip(leaves, out, shardings, strict=True):
+        if isinstance(y, jax.Array):
+            assert y.sharding.is_equivalent_to(s, y.ndim)
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
