@@ -515,7 +515,7 @@ class Parallelized:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
-        opt = settings.optimizer  # ZeRO 1-2: split gradients by reduce-scatter (scatter.py)
+        opt = settings.optimizer  # ZeRO 1-3: split gradients by reduce-scatter (scatter.py)
         regather = Regather.of(graph, plan) if constrain else Regather()  # ZeRO 3 (regather.py)
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),

@@ -1,30 +1,40 @@
-"""ZeRO levels 1-2: a split gradient made by reduce-scatter, not by all-reduce and a slice.
+"""ZeRO levels 1-3: a split gradient made by reduce-scatter, not by all-reduce and a slice.
 
-At levels 1-2 the optimizer state is split on dimension 0 over the data-parallel axes, so the
-update reads each weight gradient split the same way.  The plan makes that gradient where the
-backward pass contracts over the batch (a ``dot_general`` or ``reduce_sum`` whose contracted
-dimensions are split over the data-parallel axes): whole (an all-reduce), then, after a few
-layout-keeping operators (a transpose, Adam's ``(1 - b1) * g`` and ``g ** 2``), read split (a
-local slice).  XLA:GPU's ``reduce_scatter_creator`` pass turns that all-reduce and slice into a
-reduce-scatter; XLA:CPU has none, and moves 3Ψ where ZeRO moves 2Ψ.
+With the parallel optimizer on, the optimizer state (levels 1-2) and the parameters too (level
+3, FSDP) are split on dimension 0 over the data-parallel axes, so the update reads each weight
+gradient split the same way.  The plan makes that gradient where the backward pass sums over
+the batch (a ``dot_general`` or ``reduce_sum`` whose contracted dimensions are split over the
+data-parallel axes; a ``scatter-add`` of the batch's rows into an embedding table whose
+updates are): whole (an all-reduce), then, after a few layout-keeping operators (a transpose,
+Adam's ``(1 - b1) * g`` and ``g ** 2``), read split (a local slice).  XLA:GPU's
+``reduce_scatter_creator`` pass turns that all-reduce and slice into a reduce-scatter; XLA:CPU
+has none, and moves 3Ψ where ZeRO moves 2Ψ (4Ψ where FSDP moves 3Ψ).
 
-:func:`find_scatters` finds such contractions and the layout-keeping operators after them, and
-rewrites the lowering's copy of the plan so that they carry the split layout from the
-contraction on; the contraction itself is then lowered as a ``jax.shard_map`` manual over every
-mesh axis, in the plan's operand layouts: the local contraction, then
-``jax.lax.psum_scatter(..., tiled=True)`` over the axes the readers add (and ``psum`` over any
-other contracted axis).  ``psum_scatter`` lowers to an HLO ``reduce-scatter`` on every backend.
-Manual over every axis, not only the data-parallel ones: with the other axes automatic, XLA's
-partitioner gathers the result over them before the reduce-scatter (seen on a (2, 4) mesh).
+:func:`find_scatters` finds such sums and the layout-keeping operators after them, and
+rewrites the lowering's copy of the plan so that they carry the split layout from the sum on;
+the sum itself is then lowered as a ``jax.shard_map`` manual over every mesh axis, in the
+plan's operand layouts: the local contraction (scatter-add: into the table on one device of
+the group, zeros on the others), then ``jax.lax.psum_scatter(..., tiled=True)`` over the axes
+the readers add (and ``psum`` over any other contracted axis).  ``psum_scatter`` lowers to an
+HLO ``reduce-scatter`` on every backend.  Manual over every axis, not only the data-parallel
+ones: with the other axes automatic, XLA's partitioner gathers the result over them before the
+reduce-scatter (seen on a (2, 4) mesh).
+
+A weight read twice (a layer applied twice, an embedding tied to the output projection) gets
+the sum of two such gradients (``add_any``).  Reduce-scattering each would move twice the
+bytes of one; instead the terms, each reached through linear operators (a transpose, a scalar
+factor), stay *partial sums*: each device keeps its own, stacked on a new leading dimension
+split over the contracted axes (no collective, no copy: the stacked array is laid out as the
+devices hold it), and the ``add_any`` adds them on each device and reduce-scatters once.
 
 The plan itself (``plan.collectives``, the cost model) is unchanged: it still prices an
-all-reduce there.  Only plans with the parallel optimizer at level 1 or 2 turn this on
+all-reduce there.  Plans with the parallel optimizer at levels 1 to 3 turn this on
 (``make_evaluator(scatter=True)``).
 
 >>> import jax.numpy as jnp, optax, jaxpar
->>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 8))}
->>> def step(p, s, x):
-...     g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(p)
+>>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 16))}
+>>> def step(p, s, x):  # w read twice: one reduce-scatter of the sum of its two gradients
+...     g = jax.grad(lambda p: jnp.sum((jnp.tanh(x @ p["w"]) @ p["w"]) ** 2))(p)
 ...     u, s = tx.update(g, s, p)
 ...     return optax.apply_updates(p, u), s
 >>> with jaxpar.auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
@@ -191,10 +201,15 @@ def find_scatters(graph: OpGraph, plan: ShardingPlan
                 uses[0].in_index in operands[uses[0].consumer]:
             continue  # a term of a sum: made by the node that ends it
         node = graph.nodes[graph.values[vid].producer]
-        found = _follow(graph, decisions, node, contracted)
-        if found is None:
+        # a chain of linear operators without a sum is followed from its start (the
+        # contraction), through the layout-keeping operators, as a lone gradient is
+        while operands[node.id] and node.name != "add_any":
+            term = node.inputs[operands[node.id][0]]
+            node = graph.nodes[graph.values[term].producer]  # type: ignore[index]
+        followed = _follow(graph, decisions, node, contracted)
+        if followed is None:
             continue
-        scatter, chain = found
+        scatter, chain = followed
         scatters[node.id] = dataclasses.replace(scatter, partials=operands[node.id])
         for nid, (ins, outs) in chain.items():
             decisions[nid] = dataclasses.replace(decisions[nid], in_specs=ins, out_specs=outs)
