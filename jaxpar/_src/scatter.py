@@ -166,8 +166,10 @@ def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | 
 
 
 # Linear operators a partial sum passes on its way to a sum of gradients (a sum of partial
-# sums is the partial sum of the sum); their other operands are scalars.
-_LINEAR = frozenset({"transpose", "neg", "convert_element_type", "copy", "copy_p", "mul"})
+# sums is the partial sum of the sum); their other operands are scalars.  Not a conversion:
+# a bfloat16 partial sum converted and added in float32 rounds otherwise than one device (and
+# XLA's all-reduce, which adds before it rounds).
+_LINEAR = frozenset({"transpose", "neg", "copy", "copy_p", "mul"})
 _SOURCES = ("dot_general", "reduce_sum", "scatter-add")
 
 
