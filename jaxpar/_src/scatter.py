@@ -178,7 +178,7 @@ def find_scatters(graph: OpGraph, plan: ShardingPlan
     """``plan`` with every gradient the readers take split made split where it is made, and
     the nodes to lower by reduce-scatter (see the module docstring)."""
     decisions = list(plan.decisions)
-    # partial sums: value -> (its contracted axes, the layout of its local sums, made by)
+    # partial sums: value -> (its contracted axes, the layout of its local sums)
     partial: dict[int, tuple[tuple[str, ...], Spec]] = {}
     operands: dict[int, tuple[int, ...]] = {}  # node -> the operands that are partial sums
     for node in graph.nodes:
