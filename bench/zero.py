@@ -10,12 +10,12 @@ partitioned HLO by kind (count and payload bytes per device) with their ring wir
 of Ψ (the parameters' bytes).  The last row is ``jax.jit`` given level 3's input and output
 shardings (XLA's own propagation of the same FSDP layout).  Known answer (ZeRO, Rajbhandari et
 al. 2020, section 7): levels 1-2 move 2Ψ per device and step, as data parallel; level 3 3Ψ.
-At levels 1-2 jaxpar's lowering reduce-scatters the gradients (``jaxpar/_src/scatter.py``;
-XLA:CPU would keep an all-reduce and a slice, 3Ψ): 2Ψ, as data parallel, is (n-1)/n * 2Ψ =
-1.75Ψ on the wire here; the embedding's gradient (a scatter-add) stays all-reduced.  Level 3
-all-gathers each parameter before
-its forward use and again before its backward use (``jaxpar/_src/regather.py``), ZeRO-3's
-second all-gather: its total is below level 1's.  Compare totals, not temporaries: XLA also
+At levels 1-3 jaxpar's lowering reduce-scatters the gradients, the embedding's scatter-add
+gradient too (``jaxpar/_src/scatter.py``; XLA:CPU would keep an all-reduce and a slice, 3Ψ):
+2Ψ, as data parallel, is (n-1)/n * 2Ψ = 1.75Ψ on the wire here, 3Ψ at level 3 2.625Ψ; only
+the loss is all-reduced.  Level 3 all-gathers each parameter before its forward use and again
+before its backward use (``jaxpar/_src/regather.py``), ZeRO-3's second all-gather: its total
+is below level 1's.  Compare totals, not temporaries: XLA also
 places temporaries in the output buffers (whole parameters at levels 0-2; "off" shows none).
 
     python bench/zero.py [--quick]      (bench/run.py runs it too)

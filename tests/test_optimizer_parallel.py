@@ -118,9 +118,9 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
     """Levels 1-2 all-gather the updated parameters once (Ψ bytes); level 3 gathers them for
     the forward pass (Ψ) and again for the backward pass (ZeRO-3's second all-gather: ``w2``,
     read by ``dh = dy @ w2ᵀ``; ``w1``'s backward read makes ``dx``, which nothing needs, and
-    ``b1`` is added, not read whole); plain data parallel gathers nothing.  Data parallel and
-    level 3 all-reduce the gradients (Ψ); levels 1-2 reduce-scatter them (see
-    ``test_levels_1_2_reduce_scatter_the_gradients``) and all-reduce only the loss."""
+    ``b1`` is added, not read whole); plain data parallel gathers nothing.  Data parallel
+    all-reduces the gradients (Ψ); levels 1-3 reduce-scatter them (see
+    ``test_levels_1_to_3_reduce_scatter_the_gradients``) and all-reduce only the loss."""
     args, out, _ = compiled_levels
     psi = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
     for level, (compiled, _) in out.items():
@@ -128,9 +128,11 @@ def test_collectives_gather_the_split_parameters(compiled_levels):
         gathered = colls.total_bytes("all-gather")
         again = args[0]["w2"].size * 4 if level == 3 else 0
         assert gathered == (0 if level == 0 else psi + again), (level, colls.table())
-        # one gradient all-reduce of Ψ (+ the loss), as data parallel; levels 1-2: the loss
-        reduced = 4 if level in (1, 2) else psi + 4
-        assert colls.total_bytes("all-reduce") == reduced, (level, colls.table())
+        # data parallel: one gradient all-reduce of Ψ (+ the loss); levels 1-3: the loss
+        assert colls.total_bytes("all-reduce") == (psi + 4 if level == 0 else 4), (
+            level, colls.table())
+        assert colls.total_bytes("reduce-scatter") == (0 if level == 0 else psi), (
+            level, colls.table())
 
 
 def test_threshold_and_shard_size_follow_mindspore():
@@ -253,11 +255,11 @@ def test_auto_parallel_search_keeps_the_split_state():
             assert spec == P(("dp", "mp")), (name, spec)
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_levels_1_2_reduce_scatter_the_gradients(level, monkeypatch):
-    """ZeRO-1/2's gradients: reduce-scattered where the backward pass contracts over the
-    batch (``jaxpar/_src/scatter.py``), not all-reduced whole and sliced (XLA:CPU has no
-    reduce-scatter creator pass): every gradient (weights and bias: Ψ) is reduce-scattered
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_levels_1_to_3_reduce_scatter_the_gradients(level, monkeypatch):
+    """ZeRO-1/2's and FSDP's gradients: reduce-scattered where the backward pass contracts
+    over the batch (``jaxpar/_src/scatter.py``), not all-reduced whole and sliced (XLA:CPU has
+    no reduce-scatter creator pass): every gradient (weights and bias: Ψ) is reduce-scattered
     once, the only all-reduce over the batch axis is the loss's, and the numbers equal one
     device and data parallel.  On a (2, 4) mesh over both axes, and with the weights split
     over ``mp`` too (manual over every axis); the evaluator (``lower.py``) and the annotated
@@ -293,3 +295,40 @@ def test_levels_1_2_reduce_scatter_the_gradients(level, monkeypatch):
                 m.setattr("jaxpar._src.lower.can_annotate", lambda graph: False)
                 evaluated = jaxpar.parallelize(step, **kw, mesh=mesh).lower(*args).compile()
             assert jaxpar.inspect.collectives(evaluated).table() == colls.table()
+
+
+def test_sums_of_gradients_and_the_embedding_reduce_scatter_once():
+    """A weight read twice (its gradient: ``add_any`` of two contractions over the batch) is
+    reduce-scattered once, its partial sums added on each device first (half the bytes of
+    reduce-scattering each); an embedding's gradient (a ``scatter-add`` of the batch's rows into
+    the table) is reduce-scattered too: Ψ in two reduce-scatters and no all-reduce, where data
+    parallel all-reduces Ψ + w; the numbers equal one device and data parallel."""
+    k = jax.random.split(jax.random.key(1), 4)
+    params = {"w": jax.random.normal(k[0], (32, 32)) * 0.2,
+              "emb": jax.random.normal(k[1], (64, 32)) * 0.2}
+    tokens = jax.random.randint(k[2], (32, 8), 0, 64)
+    y = jax.random.normal(k[3], (32, 8, 32))
+    tx = optax.adam(1e-2, eps=1e-3)
+
+    def step(p, s, tokens, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(p["emb"][tokens] @ p["w"]) @ p["w"] - y) ** 2)
+        u, s = tx.update(jax.grad(loss)(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    args = (params, tx.init(params), tokens, y)
+    psi = sum(x.size * 4 for x in jax.tree.leaves(params))
+    mesh = jaxpar.make_mesh((8,), ("dp",))
+    out = {}
+    for level in (0, 1):
+        with jaxpar.auto_parallel_context(**_zero(level, parallel_optimizer_threshold=0)):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel")
+            out[level] = jaxpar.inspect.collectives(f.lower(*args).compile()), f(*args)
+    # data parallel all-reduces w's two gradients apiece: Ψ + w
+    assert out[0][0].total_bytes("all-reduce") == psi + params["w"].size * 4, out[0][0].table()
+    colls = out[1][0]
+    assert colls.count("reduce-scatter") == 2, colls.table()
+    assert colls.total_bytes("reduce-scatter") == psi, colls.table()
+    assert colls.count("all-reduce") == 0, colls.table()
+    assert_tree_close(out[1][1], jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
+    assert_tree_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-6)

@@ -126,7 +126,7 @@ class _Annotator:
                   for o, s, v in zip(node.inputs, d.in_specs, eqn.invars, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invars[:1]
-        elif nid in self.scatters:  # ZeRO 1-2: the split gradient by reduce-scatter
+        elif nid in self.scatters:  # ZeRO 1-3: the split gradient by reduce-scatter
             outs = self._inline(scatter_fn(node, d.in_specs, d.out_specs[0],
                                            self.scatters[nid], self.mesh), invars, nid)
         else:

@@ -515,11 +515,11 @@ class Parallelized:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
-        opt = settings.optimizer  # ZeRO 1-2: split gradients by reduce-scatter (scatter.py)
+        opt = settings.optimizer  # ZeRO 1-3: split gradients by reduce-scatter (scatter.py)
         regather = Regather.of(graph, plan) if constrain else Regather()  # ZeRO 3 (regather.py)
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),
-                             scatter=opt is not None and opt.level in (1, 2), regather=regather)
+                             scatter=opt is not None and opt.level in (1, 2, 3), regather=regather)
         flat_in = tuple(named_sharding(mesh, a if a is not None else s)
                         for s, a in zip(plan.input_specs, arrivals, strict=True))
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.

@@ -65,7 +65,7 @@ def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
     always evaluate).  Level 3's parameters are gathered again for the backward pass
     (:mod:`regather`; ``regather``: what the caller found already); ``scatter=True`` (ZeRO
-    levels 1-2) makes the split gradients by reduce-scatter (:mod:`scatter`)."""
+    levels 1-3) makes the split gradients by reduce-scatter (:mod:`scatter`)."""
     if regather is None:
         regather = Regather.of(graph, plan) if constrain else NO_REGATHER
     scatters: dict[int, Scatter] = {}
@@ -259,7 +259,7 @@ class _Evaluator:
                   for o, s in zip(node.inputs, d.in_specs, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invals[:1]
-        elif node.id in self.scatters:  # ZeRO 1-2: the split gradient by reduce-scatter
+        elif node.id in self.scatters:  # ZeRO 1-3: the split gradient by reduce-scatter
             outs = [scatter_fn(node, d.in_specs, d.out_specs[0], self.scatters[node.id],
                                self.mesh)(*invals)]
         else:

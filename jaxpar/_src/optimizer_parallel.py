@@ -13,7 +13,7 @@ otherwise hold identical copies (MindSpore: the parameter's "repeated" devices):
 
 Nothing else changes: the layouts are pins like any user strategy, and XLA's SPMD partitioner
 inserts the collectives, as MaxText and Levanter do with their ``fsdp`` axis.  The update runs on
-each device's slice; at levels 1-2 the gradient reaches it by reduce-scatter: the lowering
+each device's slice; at every level the gradient reaches it by reduce-scatter: the lowering
 makes it one (:mod:`jaxpar._src.scatter`), since XLA:CPU, unlike XLA:GPU
 (``xla/service/gpu/transforms/reduce_scatter_creator.cc``), would keep the all-reduce and a
 local slice.  The updated parameters are all-gathered (levels 1-2) or stay split (level 3).

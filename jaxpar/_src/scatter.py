@@ -1,30 +1,40 @@
-"""ZeRO levels 1-2: a split gradient made by reduce-scatter, not by all-reduce and a slice.
+"""ZeRO levels 1-3: a split gradient made by reduce-scatter, not by all-reduce and a slice.
 
-At levels 1-2 the optimizer state is split on dimension 0 over the data-parallel axes, so the
-update reads each weight gradient split the same way.  The plan makes that gradient where the
-backward pass contracts over the batch (a ``dot_general`` or ``reduce_sum`` whose contracted
-dimensions are split over the data-parallel axes): whole (an all-reduce), then, after a few
-layout-keeping operators (a transpose, Adam's ``(1 - b1) * g`` and ``g ** 2``), read split (a
-local slice).  XLA:GPU's ``reduce_scatter_creator`` pass turns that all-reduce and slice into a
-reduce-scatter; XLA:CPU has none, and moves 3Ψ where ZeRO moves 2Ψ.
+With the parallel optimizer on, the optimizer state (levels 1-2) and the parameters too (level
+3, FSDP) are split on dimension 0 over the data-parallel axes, so the update reads each weight
+gradient split the same way.  The plan makes that gradient where the backward pass sums over
+the batch (a ``dot_general`` or ``reduce_sum`` whose contracted dimensions are split over the
+data-parallel axes; a ``scatter-add`` of the batch's rows into an embedding table whose
+updates are): whole (an all-reduce), then, after a few layout-keeping operators (a transpose,
+Adam's ``(1 - b1) * g`` and ``g ** 2``), read split (a local slice).  XLA:GPU's
+``reduce_scatter_creator`` pass turns that all-reduce and slice into a reduce-scatter; XLA:CPU
+has none, and moves 3Ψ where ZeRO moves 2Ψ (4Ψ where FSDP moves 3Ψ).
 
-:func:`find_scatters` finds such contractions and the layout-keeping operators after them, and
-rewrites the lowering's copy of the plan so that they carry the split layout from the
-contraction on; the contraction itself is then lowered as a ``jax.shard_map`` manual over every
-mesh axis, in the plan's operand layouts: the local contraction, then
-``jax.lax.psum_scatter(..., tiled=True)`` over the axes the readers add (and ``psum`` over any
-other contracted axis).  ``psum_scatter`` lowers to an HLO ``reduce-scatter`` on every backend.
-Manual over every axis, not only the data-parallel ones: with the other axes automatic, XLA's
-partitioner gathers the result over them before the reduce-scatter (seen on a (2, 4) mesh).
+:func:`find_scatters` finds such sums and the layout-keeping operators after them, and
+rewrites the lowering's copy of the plan so that they carry the split layout from the sum on;
+the sum itself is then lowered as a ``jax.shard_map`` manual over every mesh axis, in the
+plan's operand layouts: the local contraction (scatter-add: into the table on one device of
+the group, zeros on the others), then ``jax.lax.psum_scatter(..., tiled=True)`` over the axes
+the readers add (and ``psum`` over any other contracted axis).  ``psum_scatter`` lowers to an
+HLO ``reduce-scatter`` on every backend.  Manual over every axis, not only the data-parallel
+ones: with the other axes automatic, XLA's partitioner gathers the result over them before the
+reduce-scatter (seen on a (2, 4) mesh).
+
+A weight read twice (a layer applied twice, an embedding tied to the output projection) gets
+the sum of two such gradients (``add_any``).  Reduce-scattering each would move twice the
+bytes of one; instead the terms, each reached through linear operators (a transpose, a scalar
+factor), stay *partial sums*: each device keeps its own, stacked on a new leading dimension
+split over the contracted axes (no collective, no copy: the stacked array is laid out as the
+devices hold it), and the ``add_any`` adds them on each device and reduce-scatters once.
 
 The plan itself (``plan.collectives``, the cost model) is unchanged: it still prices an
-all-reduce there.  Only plans with the parallel optimizer at level 1 or 2 turn this on
+all-reduce there.  Plans with the parallel optimizer at levels 1 to 3 turn this on
 (``make_evaluator(scatter=True)``).
 
 >>> import jax.numpy as jnp, optax, jaxpar
->>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 8))}
->>> def step(p, s, x):
-...     g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(p)
+>>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 16))}
+>>> def step(p, s, x):  # w read twice: one reduce-scatter of the sum of its two gradients
+...     g = jax.grad(lambda p: jnp.sum((jnp.tanh(x @ p["w"]) @ p["w"]) ** 2))(p)
 ...     u, s = tx.update(g, s, p)
 ...     return optax.apply_updates(p, u), s
 >>> with jaxpar.auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
@@ -39,10 +49,13 @@ all-reduce there.  Only plans with the parallel optimizer at level 1 or 2 turn t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpar._src.compat import bind_equation
@@ -60,18 +73,30 @@ _KEEP = (frozenset(UNARY) | frozenset(BINARY) | {"convert_element_type", "intege
 
 @dataclasses.dataclass(frozen=True)
 class Scatter:
-    """How one contraction is lowered: scatter its result's dimension ``dim`` over ``axes``
-    (``psum_scatter``), sum it over ``summed`` (``psum``)."""
+    """How one node is lowered: scatter its result's dimension ``dim`` over ``axes``
+    (``psum_scatter``), sum it over ``summed`` (``psum``).
+
+    Gradient sums (a weight used twice: ``add_any`` of two contractions) are made locally
+    first: the nodes of such a sum hold *partial sums*, one per device of the contracted axes
+    (``axes + summed``), stacked on a new leading dimension split over those axes, so each
+    device keeps its own; ``partials`` are the operands of this node that arrive so,
+    ``partial`` says the result stays so (the node runs no collective; ``axes``, ``dim`` and
+    ``summed`` then say what the node that ends the sum will do, ``dim`` in this node's
+    result)."""
 
     axes: tuple[str, ...]
     dim: int
     summed: tuple[str, ...]
+    partials: tuple[int, ...] = ()
+    partial: bool = False
 
 
 def _contracted(node: Node, in_specs: tuple[Spec, ...]) -> tuple[tuple[str, ...], Spec] | None:
     """The mesh axes the contraction of ``node`` is split over, and the layout its local
     result has; ``None`` when the operands' layouts do not line up."""
     p = node.eqn.params
+    if node.name == "scatter-add":  # the embedding's gradient: updates summed into a table
+        return _scattered(node, in_specs)
     if node.name == "reduce_sum":
         (spec,) = in_specs
         axes = tuple(a for k in p["axes"] for a in spec.dims[k])
@@ -85,6 +110,27 @@ def _contracted(node: Node, in_specs: tuple[Spec, ...]) -> tuple[tuple[str, ...]
     out = ([ls.dims[k] for k in lb] + [d for k, d in enumerate(ls.dims) if k not in (*lc, *lb)]
            + [d for k, d in enumerate(rs.dims) if k not in (*rc, *rb)])
     return axes, Spec(tuple(out))
+
+
+def _scattered(node: Node, in_specs: tuple[Spec, ...]
+               ) -> tuple[tuple[str, ...], Spec] | None:
+    """:func:`_contracted` of a ``scatter-add``: the axes its updates' scatter (batch)
+    dimensions are split over, the indices' batch dimensions split alike, the table whole on
+    the dimensions the indices pick and as the updates' windows on the others."""
+    dn = node.eqn.params["dimension_numbers"]
+    if len(in_specs) != 3 or dn.operand_batching_dims:
+        return None
+    table, indices, updates = in_specs
+    batch = [k for k in range(len(updates.dims)) if k not in dn.update_window_dims]
+    # JAX puts the index vector last in the indices
+    if [indices.dims[k] for k in range(len(indices.dims) - 1)] != \
+            [updates.dims[k] for k in batch] or indices.dims[-1]:
+        return None
+    windows = [k for k in range(len(table.dims)) if k not in dn.inserted_window_dims]
+    if [table.dims[k] for k in windows] != [updates.dims[k] for k in dn.update_window_dims] \
+            or any(table.dims[k] for k in dn.inserted_window_dims):
+        return None
+    return tuple(a for k in batch for a in updates.dims[k]), table
 
 
 def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | None:
@@ -119,32 +165,118 @@ def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | 
     return list(range(len(shape)))
 
 
+# Linear operators a partial sum passes on its way to a sum of gradients (a sum of partial
+# sums is the partial sum of the sum); their other operands are scalars.  Not a conversion:
+# a bfloat16 partial sum converted and added in float32 rounds otherwise than one device (and
+# XLA's all-reduce, which adds before it rounds).
+_LINEAR = frozenset({"transpose", "neg", "copy", "copy_p", "mul"})
+_SOURCES = ("dot_general", "reduce_sum", "scatter-add")
+
+
 def find_scatters(graph: OpGraph, plan: ShardingPlan
                   ) -> tuple[ShardingPlan, dict[int, Scatter]]:
     """``plan`` with every gradient the readers take split made split where it is made, and
-    the contractions to lower by reduce-scatter (see the module docstring)."""
+    the nodes to lower by reduce-scatter (see the module docstring)."""
     decisions = list(plan.decisions)
-    scatters: dict[int, Scatter] = {}
+    # partial sums: value -> (its contracted axes, the layout of its local sums)
+    partial: dict[int, tuple[tuple[str, ...], Spec]] = {}
+    operands: dict[int, tuple[int, ...]] = {}  # node -> the operands that are partial sums
     for node in graph.nodes:
-        if node.kind is not NodeKind.OP or not node.backward or len(node.outputs) != 1 or \
-                node.name not in ("dot_general", "reduce_sum") or \
-                any(isinstance(o, Const) for o in node.inputs):
+        if node.kind is not NodeKind.OP or not node.backward or len(node.outputs) != 1:
             continue
         d = decisions[node.id]
-        got = _contracted(node, d.in_specs)
-        if got is None or not got[0] or got[1] != d.out_specs[0] or \
-                set(got[0]) & set(d.out_specs[0].axes):
+        if node.name in _SOURCES and not any(isinstance(o, Const) for o in node.inputs):
+            got = _contracted(node, d.in_specs)
+            if got is not None and got[0] and got[1] == d.out_specs[0] and \
+                    not set(got[0]) & set(d.out_specs[0].axes):
+                partial[node.outputs[0]] = got[0], got[1]
+                operands[node.id] = ()
             continue
-        found = _follow(graph, decisions, node, got[0])
-        if found is None:
+        found = _sum_step(graph, node, d, partial)
+        if found is not None:
+            partial[node.outputs[0]] = found[0], d.out_specs[0]
+            operands[node.id] = found[1]
+    scatters: dict[int, Scatter] = {}
+    for vid, (contracted, _) in partial.items():
+        uses = graph.consumers[vid]
+        if len(uses) == 1 and uses[0].consumer in operands and \
+                uses[0].in_index in operands[uses[0].consumer]:
+            continue  # a term of a sum: made by the node that ends it
+        node = graph.nodes[graph.values[vid].producer]
+        # a chain of linear operators without a sum is followed from its start (the
+        # contraction), through the layout-keeping operators, as a lone gradient is
+        while operands[node.id] and node.name != "add_any":
+            term = node.inputs[operands[node.id][0]]
+            node = graph.nodes[graph.values[term].producer]  # type: ignore[index]
+        followed = _follow(graph, decisions, node, contracted)
+        if followed is None:
             continue
-        scatter, chain = found
-        scatters[node.id] = scatter
+        scatter, chain = followed
+        scatters[node.id] = dataclasses.replace(scatter, partials=operands[node.id])
         for nid, (ins, outs) in chain.items():
             decisions[nid] = dataclasses.replace(decisions[nid], in_specs=ins, out_specs=outs)
+        _stack_terms(graph, decisions, node.id, scatter, operands, partial, scatters)
     if not scatters:
         return plan, {}
     return dataclasses.replace(plan, decisions=tuple(decisions)), scatters
+
+
+def _sum_step(graph: OpGraph, node: Node, d: Any,
+              partial: dict[int, tuple[tuple[str, ...], Spec]]
+              ) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """Whether ``node`` adds partial sums (``add_any``) or passes one on linearly, each its
+    only reader, in the layouts they have: their contracted axes and the operands' indices."""
+    terms = tuple(k for k, o in enumerate(node.inputs) if not isinstance(o, Const) and
+                  o in partial and len(graph.consumers[o]) == 1)
+    if not terms:
+        return None
+    axes = {partial[node.inputs[k]][0] for k in terms}  # type: ignore[index]
+    if len(axes) != 1 or any(d.in_specs[k] != partial[node.inputs[k]][1]  # type: ignore[index]
+                             for k in terms):
+        return None
+    if node.name == "add_any":
+        if len(terms) != len(node.inputs) or d.out_specs[0] != d.in_specs[0]:
+            return None
+    elif node.name not in _LINEAR or len(terms) != 1:
+        return None
+    else:
+        perm = _keeps_layout(graph, node, terms[0])
+        spec = d.in_specs[terms[0]]
+        if perm is None or None in perm or d.out_specs[0] != Spec(tuple(
+                spec.dims[p] for p in perm if p is not None)):
+            return None
+    return axes.pop(), terms
+
+
+def _stack_terms(graph: OpGraph, decisions: list[Any], nid: int, scatter: Scatter,
+                 operands: dict[int, tuple[int, ...]],
+                 partial: dict[int, tuple[tuple[str, ...], Spec]],
+                 scatters: dict[int, Scatter]) -> None:
+    """Marks the nodes whose partial sums node ``nid`` adds up (through linear operators) to
+    keep them so, stacked (see :class:`Scatter`), and their layouts in ``decisions``."""
+    stacked = scatter.axes + scatter.summed
+
+    def stack(spec: Spec) -> Spec:
+        return Spec(((stacked,) if stacked else ((),)) + spec.dims)
+
+    todo = [(nid, scatter.dim)]
+    while todo:
+        at, dim = todo.pop()
+        node, d = graph.nodes[at], decisions[at]
+        ins = list(d.in_specs)
+        for k in operands[at]:
+            term = graph.values[node.inputs[k]]  # type: ignore[index]
+            ins[k] = stack(partial[term.id][1])
+            perm = _keeps_layout(graph, node, k) if node.name != "add_any" else None
+            tdim = dim if perm is None else perm[dim]
+            assert tdim is not None
+            td = decisions[term.producer]
+            decisions[term.producer] = dataclasses.replace(
+                td, out_specs=(stack(td.out_specs[0]),))
+            scatters[term.producer] = Scatter(scatter.axes, tdim, scatter.summed,
+                                              operands[term.producer], partial=True)
+            todo.append((term.producer, tdim))
+        decisions[at] = dataclasses.replace(d, in_specs=tuple(ins))
 
 
 def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[str, ...]
@@ -207,9 +339,18 @@ def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[
 def scatter_fn(node: Node, in_specs: tuple[Spec, ...], out_spec: Spec, scatter: Scatter,
                mesh: Mesh) -> Callable[..., Any]:
     """``f(*operands) -> result``: ``node`` lowered as a manual contraction and a
-    reduce-scatter (see the module docstring)."""
+    reduce-scatter (see the module docstring), or as a step of a sum of partial sums."""
+    stacked = scatter.axes + scatter.summed  # the axes a partial sum differs over
+
     def local(*operands: Any) -> Any:
-        (x,) = bind_equation(node.eqn, operands, here=True)
+        xs = [x[0] if k in scatter.partials else x for k, x in enumerate(operands)]
+        if node.name == "scatter-add":  # the table, once over the devices that add
+            first = functools.reduce(operator.and_, [
+                jax.lax.axis_index(a) == 0 for a in stacked])
+            xs[0] = jnp.where(first, xs[0], jnp.zeros_like(xs[0]))
+        (x,) = bind_equation(node.eqn, xs, here=True)
+        if scatter.partial:
+            return x[None]
         names = scatter.axes if len(scatter.axes) > 1 else scatter.axes[0]
         x = jax.lax.psum_scatter(x, names, scatter_dimension=scatter.dim, tiled=True)
         return jax.lax.psum(x, scatter.summed) if scatter.summed else x
