@@ -20,10 +20,10 @@ from jaxpar._src.plan_json import FORMAT, plan_from_dict
 def plan_from_json(text: str, *, source: str = "the text") -> ShardingPlan:
     """The plan in ``text`` (JSON written by :meth:`ShardingPlan.to_json`).
 
-    >>> plan_from_json('{"format": "jaxpar.plan/2", "mesh": []}', source="p.json")
+    >>> plan_from_json('{"format": "jaxpar.plan/3", "mesh": []}', source="p.json")
     Traceback (most recent call last):
     ...
-    jaxpar._src.errors.PlanError: jaxpar: p.json is not a well-formed jaxpar.plan/2 plan \
+    jaxpar._src.errors.PlanError: jaxpar: p.json is not a well-formed jaxpar.plan/3 plan \
 (TypeError: list indices must be integers or slices, not str). Write plan files with \
 plan.save(path) or strategy_ckpt_save_file, and do not edit them by hand.
     """
