@@ -69,7 +69,7 @@ def test_predicted_collectives_are_the_compiled_reduce_scatters(level):
         rs = plan.communication_summary()["reduce-scatter"]
         n = 8 // mp  # the devices of the batch axes: mp splits the weights already
         assert rs["count"] == 3 and rs["wire_bytes"] == pytest.approx(psi // mp * (n - 1) / n)
-        assert "reduce-scatter" in plan.explain()
+        assert "reduce-scatter" in plan.explain() and f"optimizer=level{level}" in plan.explain()
         # the contractions' own collectives say it too, in the layout the program makes
         for node, scatter in plan.scatters:
             d = plan.decisions[node]

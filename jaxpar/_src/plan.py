@@ -307,7 +307,8 @@ class ShardingPlan:
         if searched:
             header += ("compute / comm / layout change", "runner-up (extra cost)")
         lines = [f"ShardingPlan on mesh {self.mesh}  mode={self.parallel_mode}  "
-                 f"search={self.search_mode}"]
+                 f"search={self.search_mode}"
+                 + (f"  optimizer=level{self.optimizer_level}" if self.optimizer_level else "")]
         lines.append(_table([header] + rows))
         split_in = sum(not s.is_replicated for s in self.input_specs)
         split_out = sum(not s.is_replicated for s in self.output_specs)

@@ -17,9 +17,11 @@ other contracted axis).  ``psum_scatter`` lowers to an HLO ``reduce-scatter`` on
 Manual over every axis, not only the data-parallel ones: with the other axes automatic, XLA's
 partitioner gathers the result over them before the reduce-scatter (seen on a (2, 4) mesh).
 
-The plan itself (``plan.collectives``, the cost model) is unchanged: it still prices an
-all-reduce there.  Only plans with the parallel optimizer at level 1 or 2 turn this on
-(``make_evaluator(scatter=True)``).
+Only plans with the parallel optimizer at level 1 or 2 turn this on, and the plan does it
+when it is made (``scatter_plan.py``): its layouts are those :func:`find_scatters` returns, its
+predicted collectives and step time price the reduce-scatters, and it keeps the contractions
+(``plan.scatters``), which the lowering (``lower.py``, ``annotate.py``) lowers with
+:func:`scatter_fn`.
 
 >>> import jax.numpy as jnp, optax, jaxpar
 >>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 8))}
