@@ -93,6 +93,7 @@ def test_data_parallel_prices_the_all_reduce_and_level_1_half_of_it():
     assert off["all-reduce"]["wire_bytes"] == pytest.approx(2 * 7 / 8 * (psi + 4))
     assert one["reduce-scatter"]["wire_bytes"] == pytest.approx(7 / 8 * psi)
     assert one["all-gather"]["wire_bytes"] == pytest.approx(7 / 8 * psi)
+    assert ("optimizer_level", "0", "1") in plans[0].diff(plans[1]).settings
 
 
 def _auto_level_1(step, args, mesh):
