@@ -196,6 +196,7 @@ class SearchSpace:
         at ZeRO levels 1-2 its split gradients reduce-scattered (:meth:`lowered`;
         ``as_lowered=False``: all-reduced, as the searches price each node)."""
         nodes = [n.id for n in self.graph.searchable()]
+        as_lowered = as_lowered and self.optimizer_level in LEVELS  # one price when alike
         key = (tuple(strategies[n] for n in nodes), as_lowered)
         found = self._priced.get(key)
         if found is None:
