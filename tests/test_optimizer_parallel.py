@@ -324,6 +324,11 @@ def test_sums_of_gradients_and_the_embedding_reduce_scatter_once():
         with jaxpar.auto_parallel_context(**_zero(level, parallel_optimizer_threshold=0)):
             f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel")
             out[level] = jaxpar.inspect.collectives(f.lower(*args).compile()), f(*args)
+            plan = f.plan(*args)
+    # the plan says what runs: the sum's terms move nothing, its end and the embedding's
+    # gradient reduce-scatter
+    assert sorted((c.kind, c.axes, c.nbytes, c.count) for c in plan.predicted_collectives()) \
+        == sorted((r.kind, tuple(r.axes), r.nbytes, r.count) for r in out[1][0]), plan.explain()
     # data parallel all-reduces w's two gradients apiece: Ψ + w
     assert out[0][0].total_bytes("all-reduce") == psi + params["w"].size * 4, out[0][0].table()
     colls = out[1][0]

@@ -451,7 +451,8 @@ class Parallelized:
         info = self._info
         mesh = settings.mesh
         model = CostModel(MeshShape.of(mesh), settings.hardware)
-        space = SearchSpace(program.graph, model)
+        space = SearchSpace(program.graph, model, optimizer_level=0 if settings.optimizer is None
+                            else settings.optimizer.level)
         pins = gather_pins(info, args, program, space, mesh, mode=settings.mode,
                            dataset_strategy=settings.dataset_strategy, batch=batch)
         if settings.mode is ParallelMode.SEMI_AUTO_PARALLEL and \
@@ -515,11 +516,11 @@ class Parallelized:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
-        opt = settings.optimizer  # ZeRO 1-3: split gradients by reduce-scatter (scatter.py)
-        regather = Regather.of(graph, plan) if constrain else Regather()  # ZeRO 3 (regather.py)
+        # ZeRO 1-3's reduce-scatters are the plan's (plan.scatters); ZeRO 3 (regather.py):
+        regather = Regather.of(graph, plan) if constrain else Regather()
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),
-                             scatter=opt is not None and opt.level in (1, 2, 3), regather=regather)
+                             regather=regather)
         flat_in = tuple(named_sharding(mesh, a if a is not None else s)
                         for s, a in zip(plan.input_specs, arrivals, strict=True))
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.

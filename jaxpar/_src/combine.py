@@ -54,6 +54,7 @@ import dataclasses
 import heapq
 import weakref
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -61,6 +62,9 @@ from jaxpar._src.cost import Collective, CostModel
 from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.spec import Spec
+
+if TYPE_CHECKING:  # scatter.py reads plans, which hold what this module prices
+    from jaxpar._src.scatter import Scatter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +197,12 @@ def deferred_bucket(graph: OpGraph, model: CostModel, deferred: frozenset[int],
 
 
 def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: CostModel,
-                    deferred: frozenset[int], edge_weight) -> list[RawCollective]:
-    """Every collective of the plan before combining, in no particular order."""
+                    deferred: frozenset[int], edge_weight,
+                    scatters: Mapping[int, Scatter] | None = None) -> list[RawCollective]:
+    """Every collective of the plan before combining, in no particular order.  ``scatters``
+    (ZeRO levels 1-2, ``scatter.py``): contractions lowered by reduce-scatter, whose
+    ``strategies`` hold the layouts as lowered (the result split from the contraction on)."""
+    scatters = scatters or {}
     out: list[RawCollective] = []
     changes: dict[tuple[int, Spec], list[int]] = {}  # (value, target layout) -> readers
     for node in graph.nodes:
@@ -203,8 +211,17 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
         strat = strategies[node.id]
         for _, operand, _, dst in layout_changes(graph, strategies, node.id):
             changes.setdefault((operand, dst), []).append(node.id)
-        own = model.op_collectives(strat, [graph.values[v].shape for v in node.outputs],
-                                   [graph.values[v].dtype for v in node.outputs])
+        scatter = scatters.get(node.id)
+        own: tuple[Collective, ...]
+        if scatter is not None and scatter.partial:  # a term of a sum, added locally
+            own = ()
+        elif scatter is not None:
+            value = graph.values[node.outputs[0]]
+            own = model.scatter_collectives(scatter.axes, scatter.summed, strat.out_specs[0],
+                                            value.shape, value.dtype)
+        else:
+            own = model.op_collectives(strat, [graph.values[v].shape for v in node.outputs],
+                                       [graph.values[v].dtype for v in node.outputs])
         for c in own:
             out.append(RawCollective(c, node.id, node.id, None, (), node.weight, node.region,
                                      node.id in deferred))
@@ -395,14 +412,15 @@ def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:
 
 
 def price_plan(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: CostModel,
-               flops: Mapping[int, float], deferred: frozenset[int], edge_weight
-               ) -> ProgramCost:
+               flops: Mapping[int, float], deferred: frozenset[int], edge_weight,
+               scatters: Mapping[int, Scatter] | None = None) -> ProgramCost:
     """The whole plan as XLA runs it: combined collectives and the step time.
 
-    ``flops``: per node, per-device FLOPs per call (loop trips included).
+    ``flops``: per node, per-device FLOPs per call (loop trips included); ``scatters``: see
+    :func:`raw_collectives`.
     """
     raw, groups = combine(graph, raw_collectives(graph, strategies, model, deferred,
-                                                 edge_weight), model)
+                                                 edge_weight, scatters), model)
     issued = []
     for members in groups:
         first = raw[members[0]].collective

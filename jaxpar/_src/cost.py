@@ -15,6 +15,8 @@ chooses between its Tree and Ring algorithms for all-reduce (and uses Ring for t
 * all-to-all of ``S`` bytes: ``n - 1`` pairwise steps, ``(n - 1) / n * S`` bytes.
 
 Wire bytes (what :mod:`jaxpar.inspect` reports for the compiled program) are always the ring's.
+At ZeRO levels 1-2 a weight gradient's contraction is lowered as a local contraction and a
+reduce-scatter (``scatter.py``): :meth:`CostModel.scatter_collectives` prices it.
 Which collectives XLA merges into one, and which can run beside compute, is a property of the
 whole program, not of one operator: ``combine.py`` prices that; here a collective is priced on
 its own unless the caller says it travels in a combined collective of ``bucket`` bytes (the
@@ -166,6 +168,24 @@ class CostModel:
                 if c.wire_bytes > 0:
                     out.append(c)
         return tuple(out)
+
+    def scatter_collectives(self, axes: Sequence[str], summed: Sequence[str], out_spec: Spec,
+                            out_shape: tuple[int, ...], out_dtype: Any
+                            ) -> tuple[Collective, ...]:
+        """A contraction lowered by reduce-scatter (ZeRO levels 1-2, ``scatter.py``): its
+        local result, of ``out_shape`` laid out ``out_spec`` once scattered, reduce-scattered
+        over ``axes`` (``(n - 1) / n`` of its bytes sent: half an all-reduce's), then the
+        scattered result all-reduced over ``summed``, the other axes its contraction is split
+        over.  In place of :meth:`op_collectives`'s all-reduces."""
+        scattered = math.prod(out_shape) * itemsize(out_dtype) * out_spec.shard_fraction(
+            self.mesh)
+        dtype = _dtype_name(out_dtype)
+        out = [self.collective("reduce-scatter", scattered * self.mesh.product(axes), axes,
+                               dtype=dtype)]
+        if summed:
+            out.append(self.collective("all-reduce", scattered, summed, reduction="sum",
+                                       dtype=dtype))
+        return tuple(c for c in out if c.wire_bytes > 0)
 
     def op_cost(self, rule: FactorRule, strategy: OpStrategy,
                 in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any],

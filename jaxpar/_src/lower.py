@@ -40,7 +40,7 @@ from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
 from jaxpar._src.rules.elementwise import BINARY, UNARY
-from jaxpar._src.scatter import Scatter, find_scatters, scatter_fn
+from jaxpar._src.scatter import Scatter, restacked, scatter_fn
 from jaxpar._src.spec import Spec
 
 
@@ -58,19 +58,20 @@ def named_sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 
 def make_evaluator(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, *,
                    constrain: bool = True, loose: bool = True, annotate: bool = True,
-                   name: str = "jaxpar", scatter: bool = False,
-                   regather: Regather | None = None) -> Callable[..., list[Any]]:
+                   name: str = "jaxpar", regather: Regather | None = None
+                   ) -> Callable[..., list[Any]]:
     """``run(*leaves) -> out_leaves`` evaluating ``graph`` with ``plan``'s constraints
     (``loose=False``: on every result, :func:`loose_values` too).  Straight-line graphs are
     not evaluated again but written down once, annotated (``annotate.py``; ``annotate=False``:
     always evaluate).  Level 3's parameters are gathered again for the backward pass
-    (:mod:`regather`; ``regather``: what the caller found already); ``scatter=True`` (ZeRO
-    levels 1-3) makes the split gradients by reduce-scatter (:mod:`scatter`)."""
+    (:mod:`regather`; ``regather``: what the caller found already); at ZeRO levels 1-3 the
+    contractions in ``plan.scatters`` make their split gradients by reduce-scatter
+    (:mod:`scatter`; the plan's layouts are already the scattered ones)."""
     if regather is None:
         regather = Regather.of(graph, plan) if constrain else NO_REGATHER
-    scatters: dict[int, Scatter] = {}
-    if scatter and constrain:
-        plan, scatters = find_scatters(graph, plan)
+    scatters: dict[int, Scatter] = dict(plan.scatters) if constrain else {}
+    if scatters:  # partial sums stacked, one per device, as the lowering holds them
+        plan = restacked(plan)
     if annotate and constrain and can_annotate(graph):
         return annotated_runner(graph, plan, mesh, loose_values(graph, plan) if loose
                                 else frozenset(), name, regather, scatters)

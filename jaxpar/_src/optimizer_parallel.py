@@ -317,7 +317,9 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
     parallel optimizer off (data parallel's 2Ψ), then level 1 (2Ψ: reduce-scatter and
     all-gather) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
     adds nothing to level 1 in a function's own step (its gradients are temporaries the plan
-    already splits where the optimizer state needs them).  The choice is a note of the plan.
+    already splits where the optimizer state needs them).  The choice is a note of the plan
+    and its ``optimizer_level``: a plan made at level 1 makes its split gradients by
+    reduce-scatter (``plan.scatters``), as one configured ``"level1"`` does.
 
     In ``auto_parallel`` the search fits the budget by itself where it can (memory priced in:
     splitting activations and weights at a cost in communication), so an "off" plan that fits

@@ -16,11 +16,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpar._src.combine import IssuedCollective
 from jaxpar._src.cost import Collective
 from jaxpar._src.spec import MeshShape, Spec
+
+if TYPE_CHECKING:  # scatter.py reads plans
+    from jaxpar._src.scatter import Scatter
 
 USER_ORIGINS = frozenset({"in_strategy", "out_strategy", "shard", "data_parallel"})
 # Listed by explain() besides anything that communicates: the categories of work worth seeing
@@ -167,6 +170,13 @@ class ShardingPlan:
     collectives: tuple[PredictedCollective, ...] = ()
     compute_s: float | None = None
     step_s: float | None = None
+    # The parallel optimizer's ZeRO level the plan was made for (0: off), and at levels 1-2
+    # the contractions the program makes a split gradient with by reduce-scatter
+    # (``scatter.py``: node -> how), found once when planning; ``decisions`` then hold the
+    # layouts the program runs (the gradient split from its contraction on) and
+    # ``collectives`` the reduce-scatters.
+    optimizer_level: int = 0
+    scatters: tuple[tuple[int, Scatter], ...] = ()
     # The pipeline the program runs (jaxpar.PipelineCell): split, schedule, timeline; not in
     # the JSON form (a strategy file describes layouts).
     pipeline: Any = dataclasses.field(default=None, compare=False)
@@ -297,7 +307,8 @@ class ShardingPlan:
         if searched:
             header += ("compute / comm / layout change", "runner-up (extra cost)")
         lines = [f"ShardingPlan on mesh {self.mesh}  mode={self.parallel_mode}  "
-                 f"search={self.search_mode}"]
+                 f"search={self.search_mode}"
+                 + (f"  optimizer=level{self.optimizer_level}" if self.optimizer_level else "")]
         lines.append(_table([header] + rows))
         split_in = sum(not s.is_replicated for s in self.input_specs)
         split_out = sum(not s.is_replicated for s in self.output_specs)

@@ -14,16 +14,16 @@ from collections.abc import Sequence
 from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import OpGraph
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.plan_json import FORMAT, plan_from_dict
+from jaxpar._src.plan_json import FORMAT, READS, plan_from_dict
 
 
 def plan_from_json(text: str, *, source: str = "the text") -> ShardingPlan:
     """The plan in ``text`` (JSON written by :meth:`ShardingPlan.to_json`).
 
-    >>> plan_from_json('{"format": "jaxpar.plan/2", "mesh": []}', source="p.json")
+    >>> plan_from_json('{"format": "jaxpar.plan/3", "mesh": []}', source="p.json")
     Traceback (most recent call last):
     ...
-    jaxpar._src.errors.PlanError: jaxpar: p.json is not a well-formed jaxpar.plan/2 plan \
+    jaxpar._src.errors.PlanError: jaxpar: p.json is not a well-formed jaxpar.plan/3 plan \
 (TypeError: list indices must be integers or slices, not str). Write plan files with \
 plan.save(path) or strategy_ckpt_save_file, and do not edit them by hand.
     """
@@ -42,7 +42,8 @@ plan.save(path) or strategy_ckpt_save_file, and do not edit them by hand.
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-        raise PlanError(f"jaxpar: {source} is not a well-formed {FORMAT} plan ({what}). Write "
+        form = data.get("format") if data.get("format") in READS else FORMAT
+        raise PlanError(f"jaxpar: {source} is not a well-formed {form} plan ({what}). Write "
                         f"plan files with plan.save(path) or strategy_ckpt_save_file, and do not "
                         f"edit them by hand.") from None
 

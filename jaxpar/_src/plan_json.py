@@ -9,7 +9,9 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
 
-FORMAT = "jaxpar.plan/2"
+FORMAT = "jaxpar.plan/3"  # 3: the optimizer level and the reduce-scatters (ZeRO levels 1-2)
+READS = (FORMAT, "jaxpar.plan/2")  # a /2 plan was made with the parallel optimizer off or
+# lowered its gradients by all-reduce: it reads as level 0 (no reduce-scatters)
 _PLAN_SCALARS = ("parallel_mode", "search_mode", "hardware", "flops_per_s", "memory_bytes",
                  "memory_budget", "search_s", "objective_s", "baseline_s", "optimal")
 _OPTIONAL_SCALARS = ("compute_s", "step_s")  # absent from plans saved before they existed
@@ -86,18 +88,22 @@ def _decision_from(d: dict, seen: dict | None = None) -> OpDecision:
 
 
 def plan_to_dict(plan: ShardingPlan) -> dict:
-    out = {"format": FORMAT,
-           "mesh": {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)},
-           "device_ids": list(plan.device_ids), "inputs": list(plan.inputs),
-           "outputs": list(plan.outputs), "notes": list(plan.notes)}
+    out: dict[str, Any] = {
+        "format": FORMAT,
+        "mesh": {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)},
+        "device_ids": list(plan.device_ids), "inputs": list(plan.inputs),
+        "outputs": list(plan.outputs), "notes": list(plan.notes)}
     out.update({k: getattr(plan, k) for k in _PLAN_SCALARS + _OPTIONAL_SCALARS})
     out["collectives"] = [_coll_to(c) for c in plan.collectives]
+    out["optimizer_level"] = plan.optimizer_level
+    out["scatters"] = [{"node": node, **_plain(dataclasses.asdict(sc))}
+                       for node, sc in plan.scatters]
     out["decisions"] = [_decision_to(d) for d in plan.decisions]
     return out
 
 
 def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
-    if data.get("format") != FORMAT:
+    if data.get("format") not in READS:
         raise PlanError(f"jaxpar: {source} is not a plan file of format {FORMAT!r} "
                         f"(found {data.get('format')!r}).")
     mesh = MeshShape(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
@@ -106,9 +112,32 @@ def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
                                if k not in ("parallel_mode", "search_mode")}
     scalars.update({k: data.get(k) for k in _OPTIONAL_SCALARS})
     seen: dict = {}
+    scatters: tuple[tuple[int, Any], ...] = ()
+    if data.get("scatters"):
+        from jaxpar._src.scatter import Scatter  # it reads plans: imported when met
+
+        scatters = tuple((int(d["node"]), Scatter(**{k: _tuples(v) for k, v in d.items()
+                                                      if k != "node"}))
+                         for d in data["scatters"])
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
                         data["search_mode"],
                         tuple(_decision_from(d, seen) for d in data["decisions"]),
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
                         **scalars,
-                        collectives=tuple(_coll_from(c) for c in data.get("collectives", ())))
+                        collectives=tuple(_coll_from(c) for c in data.get("collectives", ())),
+                        optimizer_level=int(data.get("optimizer_level", 0)),
+                        scatters=scatters)
+
+
+def _plain(x: Any) -> Any:
+    """JSON's form of a dataclass's fields: tuples as lists."""
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _tuples(x: Any) -> Any:
+    """The inverse of :func:`_plain` for frozen dataclasses' fields: lists as tuples."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x

@@ -17,12 +17,13 @@ from typing import Any
 
 from jaxpar._src.combine import layout_changes
 from jaxpar._src.context import ParallelMode, algo_parameters
-from jaxpar._src.cost import CostModel
+from jaxpar._src.cost import Collective, CostModel
 from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.plan_files import input_mismatch, structure_mismatch
-from jaxpar._src.rules import strategy_for_specs
+from jaxpar._src.rules import OpStrategy, strategy_for_specs
+from jaxpar._src.scatter import Scatter
 from jaxpar._src.search import (
     Assignment,
     Pin,
@@ -32,6 +33,7 @@ from jaxpar._src.search import (
     get_search,
 )
 from jaxpar._src.search.memory import peak_memory
+from jaxpar._src.spec import Spec
 
 
 def decide(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]], *,
@@ -74,11 +76,15 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
         raise PlanError(f"{api}: the strategy file {path!r} does not match this program: "
                         f"{differs}.")
     strategies, origins = {}, {}
+    scattered = dict(saved.scatters)
     for node, d in zip(graph.nodes, saved.decisions, strict=True):
         if node.kind is NodeKind.CONTROL:
             continue
         specs = {("in", i): s for i, s in enumerate(d.in_specs)}
         specs.update({("out", j): s for j, s in enumerate(d.out_specs)})
+        # its rule's layout: the result before the reduce-scatter (a partial sum has it)
+        if node.id in scattered and not scattered[node.id].partial:
+            specs[("out", 0)] = _unscattered(d.out_specs[0], scattered[node.id])
         strategy = strategy_for_specs(space.rule(node.id), specs, mesh)
         if strategy is None:
             raise PlanError(f"{api}: the strategy file {path!r} gives node {node.id} "
@@ -88,6 +94,15 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
     return SearchResult(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
 
 
+def _unscattered(spec: Spec, scatter: Scatter) -> Spec:
+    """The layout of a contraction's result before ``scatter`` split dimension ``dim`` further
+    over its axes (they end that dimension's axes)."""
+    dims = spec.dims[scatter.dim]
+    kept = dims[:len(dims) - len(scatter.axes)]
+    assert kept + scatter.axes == dims, (spec, scatter)
+    return Spec(spec.dims[:scatter.dim] + (kept,) + spec.dims[scatter.dim + 1:])
+
+
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:
               Sequence[int], parallel_mode: str, search_mode: str,
               notes: Iterable[str] = (), details: Mapping[int, Any] | None = None,
@@ -95,11 +110,53 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     """Assembles a plan from a search's assignment, pricing every node and edge.
 
     ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
-    from the automatic searches.
+    from the automatic searches.  At the parallel optimizer's levels 1-2
+    (``space.optimizer_level``) the split gradients are made by reduce-scatter, found here once
+    (``scatter_plan.py``): the plan holds the layouts and collectives the lowering makes, and
+    what it needs to make them (``plan.scatters``).
     """
     model: CostModel = space.model
-    strategies = assignment.strategies
+    optimizer_level = space.optimizer_level
+    # the layouts as lowered: at levels 1-2 the gradient split from its contraction on
+    strategies, scatters = space.lowered(assignment.strategies)
     details = details or {}
+    decisions = _decisions(graph, strategies, assignment.origins, space, details, scatters)
+    unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
+    notes = list(notes)
+    if unreached:
+        notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
+    if scatters:
+        whole = sum(graph.values[graph.nodes[n].outputs[0]].nbytes for n in scatters) / 2.0**20
+        notes.append(f"parallel optimizer level {optimizer_level}: {len(scatters)} split "
+                     f"gradients ({whole:.2f} MiB whole) are made by reduce-scatter where the "
+                     f"backward pass contracts over the batch, not by all-reduce and a slice")
+    hw = model.hw
+    assert hw.flops_per_s is not None and hw.memory_per_device is not None, \
+        "HardwareProfile fills fields from its preset"
+    priced = space.price(assignment.strategies)  # as lowered
+    stats: dict[str, Any] = {
+        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
+        # the search's layouts (memory.py prices the plan's peak from them)
+        "memory_bytes": peak_memory(graph, assignment.strategies, model.mesh).peak,
+        "memory_budget": float(hw.memory_per_device),
+        "collectives": tuple(PredictedCollective.issued(c) for c in priced.collectives),
+        "compute_s": priced.compute_s, "step_s": priced.step_s,
+        "optimizer_level": optimizer_level, "scatters": tuple(sorted(scatters.items()))}
+    if report is not None:
+        notes.extend(report.notes)
+        stats.update(search_s=report.search_s, objective_s=report.objective_s,
+                     baseline_s=report.baseline_s, optimal=report.optimal)
+    return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
+                        search_mode, decisions, graph.inputs, graph.outputs, tuple(notes),
+                        **stats)
+
+
+def _decisions(graph: OpGraph, strategies: Mapping[int, OpStrategy],
+               origins: Mapping[int, str], space: SearchSpace, details: Mapping[int, Any],
+               scatters: Mapping[int, Scatter]) -> tuple[OpDecision, ...]:
+    """Every node's decision: its layouts, own collectives (a reduce-scatter for the
+    contractions in ``scatters``) and the layout changes on its input edges, priced."""
+    model: CostModel = space.model
     decisions = []
     for node in graph.nodes:
         in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
@@ -109,8 +166,17 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
                                         in_shapes, out_shapes, (), (), "", node.weight, (), ()))
             continue
         strat = strategies[node.id]
-        own = model.op_collectives(strat, out_shapes,
-                                   [graph.values[v].dtype for v in node.outputs])
+        scatter = scatters.get(node.id)
+        own: tuple[Collective, ...]
+        if scatter is not None and scatter.partial:  # a term of a sum, added locally
+            own = ()
+        elif scatter is not None:
+            value = graph.values[node.outputs[0]]
+            own = model.scatter_collectives(scatter.axes, scatter.summed, strat.out_specs[0],
+                                            value.shape, value.dtype)
+        else:
+            own = model.op_collectives(strat, out_shapes,
+                                       [graph.values[v].dtype for v in node.outputs])
         redists = []
         for i, operand, src, dst in layout_changes(graph, strategies, node.id):
             value = graph.values[operand]
@@ -128,28 +194,8 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
                 extra["runner_up_extra_s"] = detail.runner_up_extra_s
         decisions.append(OpDecision(
             node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
-            strat.in_specs, strat.out_specs, assignment.origins.get(node.id, ""),
+            strat.in_specs, strat.out_specs, origins.get(node.id, ""),
             node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
             tuple(redists), flops=space.op_cost(node.id, strat).flops,
             category=str(space.rule(node.id).category), **extra))
-    unreached = sum(1 for o in assignment.origins.values() if o == "unreached")
-    notes = list(notes)
-    if unreached:
-        notes.append(f"{unreached} nodes were not reached by propagation and stay replicated")
-    hw = model.hw
-    assert hw.flops_per_s is not None and hw.memory_per_device is not None, \
-        "HardwareProfile fills fields from its preset"
-    priced = space.price(strategies)
-    stats: dict[str, Any] = {
-        "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
-        "memory_bytes": peak_memory(graph, strategies, model.mesh).peak,
-        "memory_budget": float(hw.memory_per_device),
-        "collectives": tuple(PredictedCollective.issued(c) for c in priced.collectives),
-        "compute_s": priced.compute_s, "step_s": priced.step_s}
-    if report is not None:
-        notes.extend(report.notes)
-        stats.update(search_s=report.search_s, objective_s=report.objective_s,
-                     baseline_s=report.baseline_s, optimal=report.optimal)
-    return ShardingPlan(model.mesh, tuple(int(i) for i in device_ids), parallel_mode,
-                        search_mode, tuple(decisions), graph.inputs, graph.outputs, tuple(notes),
-                        **stats)
+    return tuple(decisions)

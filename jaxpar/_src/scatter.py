@@ -27,9 +27,11 @@ factor), stay *partial sums*: each device keeps its own, stacked on a new leadin
 split over the contracted axes (no collective, no copy: the stacked array is laid out as the
 devices hold it), and the ``add_any`` adds them on each device and reduce-scatters once.
 
-The plan itself (``plan.collectives``, the cost model) is unchanged: it still prices an
-all-reduce there.  Plans with the parallel optimizer at levels 1 to 3 turn this on
-(``make_evaluator(scatter=True)``).
+The plan does it when it is made (``scatter_plan.py``), at levels 1 to 3: its layouts are
+those :func:`find_scatters` returns (partial sums in the layout of their local sums:
+:func:`unstacked`), its predicted collectives and step time price the reduce-scatters, and it
+keeps the nodes (``plan.scatters``), which the lowering (``lower.py``, ``annotate.py``) lowers
+with :func:`scatter_fn`, the partial sums stacked again (:func:`restacked`).
 
 >>> import jax.numpy as jnp, optax, jaxpar
 >>> tx, p = optax.adam(0.1), {"w": jnp.ones((16, 16))}
@@ -219,6 +221,37 @@ def find_scatters(graph: OpGraph, plan: ShardingPlan
     if not scatters:
         return plan, {}
     return dataclasses.replace(plan, decisions=tuple(decisions)), scatters
+
+
+def unstacked(plan: ShardingPlan, scatters: dict[int, Scatter]) -> ShardingPlan:
+    """``plan`` (as :func:`find_scatters` returns it) with each partial sum in the layout of
+    its local sums, not stacked: the layouts of the graph's own values, which the plan keeps
+    and prices (a partial sum moves nothing).  :func:`restacked` undoes it."""
+    return _stacking(plan, scatters, lambda spec, _: Spec(spec.dims[1:]))
+
+
+def restacked(plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` with its partial sums (``plan.scatters``) stacked again, as the lowering
+    holds them (see :class:`Scatter`)."""
+    def stack(spec: Spec, s: Scatter) -> Spec:
+        stacked = s.axes + s.summed
+        return Spec(((stacked,) if stacked else ((),)) + spec.dims)
+
+    return _stacking(plan, dict(plan.scatters), stack)
+
+
+def _stacking(plan: ShardingPlan, scatters: dict[int, Scatter],
+              change: Callable[[Spec, Scatter], Spec]) -> ShardingPlan:
+    if not any(s.partial or s.partials for s in scatters.values()):
+        return plan
+    decisions = list(plan.decisions)
+    for nid, s in scatters.items():
+        d = decisions[nid]
+        ins = tuple(change(spec, s) if k in s.partials else spec
+                    for k, spec in enumerate(d.in_specs))
+        outs = (change(d.out_specs[0], s),) + d.out_specs[1:] if s.partial else d.out_specs
+        decisions[nid] = dataclasses.replace(d, in_specs=ins, out_specs=outs)
+    return dataclasses.replace(plan, decisions=tuple(decisions))
 
 
 def _sum_step(graph: OpGraph, node: Node, d: Any,

@@ -141,7 +141,8 @@ def _fmt(metric: str, v: float) -> str:
 def diff_plans(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     """See :class:`PlanDiff`."""
     settings = tuple((k, str(getattr(a, k)), str(getattr(b, k)))
-                     for k in ("mesh", "parallel_mode", "search_mode", "hardware")
+                     for k in ("mesh", "parallel_mode", "search_mode", "hardware",
+                               "optimizer_level")
                      if str(getattr(a, k)) != str(getattr(b, k)))
     pairs, aligned_by, unmatched = _align(a.decisions, b.decisions)
     arguments, results = [], []

@@ -147,7 +147,10 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     problem, choice, optimal, notes = run(space)
     strategies = problem.expand(choice)
     objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
-    if space.bucket_bytes > 0 and objective > problem.objective(choice) * (1 + 1e-6):
+    # (the gradients all-reduced, as the search priced them: ZeRO 1-2's reduce-scatters
+    # are no reason to price the all-reduces alone)
+    combined = space.price(strategies, as_lowered=False).step_s
+    if space.bucket_bytes > 0 and combined > problem.objective(choice) * (1 + 1e-6):
         # The search priced each gradient all-reduce as a share of one combined all-reduce,
         # but this plan's few pay a latency of their own: search again with every gradient
         # all-reduce alone, and keep the plan that is cheaper as XLA runs it.

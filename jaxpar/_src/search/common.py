@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpar._src.combine import (
     ProgramCost,
@@ -23,7 +23,11 @@ from jaxpar._src.rules import (
     op_view,
     rule_for,
 )
+from jaxpar._src.scatter_plan import LEVELS, lowered
 from jaxpar._src.spec import Spec
+
+if TYPE_CHECKING:
+    from jaxpar._src.scatter import Scatter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,9 +50,12 @@ class Assignment:
 class SearchSpace:
     """Lazily computed rules, candidates and costs of a graph on one mesh."""
 
-    def __init__(self, graph: OpGraph, model: CostModel) -> None:
+    def __init__(self, graph: OpGraph, model: CostModel, optimizer_level: int = 0) -> None:
         self.graph = graph
         self.model = model
+        # The parallel optimizer's ZeRO level (0: off): at levels 1-2 a plan is priced as the
+        # lowering runs it, its split gradients reduce-scattered (scatter_plan.py).
+        self.optimizer_level = optimizer_level
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
@@ -137,7 +144,7 @@ class SearchSpace:
 
     def alone(self) -> SearchSpace:
         """This space with every gradient all-reduce priced on its own (no combining)."""
-        other = SearchSpace(self.graph, self.model)
+        other = SearchSpace(self.graph, self.model, self.optimizer_level)
         other._rules = self._rules
         other._views = self._views
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
@@ -151,7 +158,9 @@ class SearchSpace:
     def calibrate(self, strategies: Mapping[int, OpStrategy]) -> None:
         """Sets :attr:`bucket_bytes` from a full plan (pure data parallel): the size of the
         combined all-reduces its gradients become."""
-        priced = self.price(strategies)
+        # as the searches price the gradients: all-reduced (at levels 1-2 the lowering makes
+        # them by reduce-scatter, which the whole plan's price then says)
+        priced = self.price(strategies, as_lowered=False)
         buckets = [c.nbytes for c in priced.collectives if c.deferred]
         if buckets:
             self._bucket = sum(buckets) / len(buckets)
@@ -173,17 +182,33 @@ class SearchSpace:
             return 0.0
         return self.edge_weight(producer, consumer) * sum(c.time for c in colls)
 
-    def price(self, strategies: Mapping[int, OpStrategy]) -> ProgramCost:
-        """A full assignment priced as XLA runs it: combined collectives, overlap, step time."""
+    def lowered(self, strategies: Mapping[int, OpStrategy]
+                ) -> tuple[Mapping[int, OpStrategy], dict[int, Scatter]]:
+        """``strategies`` as the lowering runs them, and the contractions it lowers by
+        reduce-scatter (ZeRO levels 1-2: ``scatter_plan.py``; else unchanged, none)."""
+        if self.optimizer_level not in LEVELS:
+            return strategies, {}
+        return lowered(self.graph, strategies, self.model.mesh)
+
+    def price(self, strategies: Mapping[int, OpStrategy], as_lowered: bool = True
+              ) -> ProgramCost:
+        """A full assignment priced as XLA runs it: combined collectives, overlap, step time;
+        at ZeRO levels 1-2 its split gradients reduce-scattered (:meth:`lowered`;
+        ``as_lowered=False``: all-reduced, as the searches price each node)."""
         nodes = [n.id for n in self.graph.searchable()]
-        key = tuple(strategies[n] for n in nodes)
+        as_lowered = as_lowered and self.optimizer_level in LEVELS  # one price when alike
+        key = (tuple(strategies[n] for n in nodes), as_lowered)
         found = self._priced.get(key)
         if found is None:
             if len(self._priced) > 8:  # a few plans are compared; keep the memory small
                 self._priced.clear()
+            scatters: dict[int, Scatter] = {}
+            if as_lowered:
+                strategies, scatters = self.lowered(strategies)
             flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
-                                                   self.deferred, self.edge_weight)
+                                                   self.deferred, self.edge_weight,
+                                                   scatters)
         return found
 
     def total_time(self, strategies: Mapping[int, OpStrategy]) -> float:
