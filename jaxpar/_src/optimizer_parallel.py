@@ -128,6 +128,39 @@ class OptimizerParallel:
         return group if slice0 % mesh.product(group) == 0 else ()
 
 
+def _stacked_leaves(args: Sequence[Any], static: Sequence[int]) -> set[int]:
+    """The dynamic leaves that are a pipeline's stacked layer weights (``StackedParams``)."""
+    from jaxpar._src.pipeline.stacked import StackedParams
+
+    out: set[int] = set()
+    n = 0
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, StackedParams)):
+            if isinstance(x, StackedParams):
+                out.update(range(n, n + len(x.stacked)))
+                n += len(jax.tree.leaves(x))
+            else:
+                n += 1
+    return out
+
+
+def _stacked_dim(opt: OptimizerParallel, value: Any, dp_axes: Sequence[str], mesh: MeshShape
+                 ) -> tuple[int, tuple[str, ...]]:
+    """Where a pipeline's stacked weight (``jaxpar.StackedParams``: ``[S, v, k, ...]``,
+    dimension 0 over ``"pp"``, one row per stage) is split further: its first later dimension
+    that divides."""
+    shape = tuple(value.shape)
+    for d in range(1, len(shape)):
+        rotated = (shape[d],) + shape[:d] + shape[d + 1:]
+        base = Spec(((), ("pp",)) + ((),) * (len(shape) - 2))  # dimension 0 is now second
+        axes = opt.split_axes(rotated, value.dtype, base, dp_axes, mesh)
+        if axes:
+            return d, axes
+    return 0, ()
+
+
 def _suffix(free: tuple[str, ...], k: int, mesh: MeshShape) -> tuple[str, ...]:
     """The innermost free axes whose sizes multiply to ``k`` (MindSpore groups neighbouring
     ranks); raises when no such axes exist."""
@@ -263,17 +296,25 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
                 if out[k].strategy.out_specs[0].dims else []
     dp_axes = tuple(dp) or mesh.names
     wanted = {"optimizer"} | ({"param", "state"} if opt.shards_parameters else set())
-    for role, nid in zip(roles, graph.inputs, strict=True):
+    stacked = _stacked_leaves(args, static)
+    for leaf, (role, nid) in enumerate(zip(roles, graph.inputs, strict=True)):
         if role not in wanted:
             continue
         value = graph.values[graph.nodes[nid].outputs[0]]
         k = index.get((nid, "out"))
         base = out[k].strategy.out_specs[0] if k is not None else Spec.replicated(
             len(value.shape))
-        axes = opt.split_axes(value.shape, value.dtype, base, dp_axes, mesh)
+        dim = 0
+        if leaf in stacked and k is None:
+            dim, axes = _stacked_dim(opt, value, dp_axes, mesh)
+            base = Spec((("pp",),) + ((),) * (len(value.shape) - 1))
+        else:
+            axes = opt.split_axes(value.shape, value.dtype, base, dp_axes, mesh)
         if not axes:
             continue
-        spec = Spec((base.dims[0] + axes,) + base.dims[1:])
+        dims = list(base.dims)
+        dims[dim] = dims[dim] + axes
+        spec = Spec(tuple(dims))
         for node, side in ((nid, "out"), (tied.get(nid), "in")):
             if node is None:
                 continue
