@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar._src.spec import Spec
+
 
 @dataclasses.dataclass(frozen=True)
 class StackLayout:
@@ -36,6 +38,7 @@ class StackLayout:
     grid: tuple[int, int, int]  # S, v, k
     groups: tuple[tuple[int, ...], ...]  # per stacked array: the leaf in each slot (-1: pad)
     others: tuple[int, ...]  # the leaves kept as they are
+    specs: tuple[Any, ...] = ()  # per stacked array, the Spec it was put with (stack())
 
     def leaf_avals(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(s, np.dtype(d)) for s, d in self.avals]
@@ -164,6 +167,11 @@ def stack(layout: StackLayout, params: Any, shardings: Sequence[Any] | None = No
     """``params`` stacked in ``layout``; each stacked array put with ``shardings[i]``."""
     leaves = jax.tree.leaves(params)
     S, v, k = layout.grid
+    if shardings is not None:
+        specs = tuple(Spec.from_partition_spec(sh.spec, 3 + len(layout.avals[
+            next(x for x in g if x >= 0)][0])) for sh, g in zip(shardings, layout.groups,
+                                                                 strict=True))
+        layout = dataclasses.replace(layout, specs=specs)
     stacked = []
     for i, group in enumerate(layout.groups):
         first = leaves[next(x for x in group if x >= 0)]
