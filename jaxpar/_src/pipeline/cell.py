@@ -49,7 +49,8 @@ class PipelineCell:
     ``parallelize(micro_batches=...)``, else the context's ``micro_batches``, else the stage
     count.  The layers to pipeline are the user's :class:`jaxpar.pipeline_stage` regions, or
     the identical layers jaxpar finds, split to balance the cost model's time (see
-    ``plan.explain()``).
+    ``plan.explain()``).  Per-layer parameters live on every stage; :meth:`stack` keeps each
+    stage's layers on it (:class:`jaxpar.StackedParams`).
 
     Args:
       fn: ``fn(params, *batch) -> loss`` (any argument order; see ``batch_argnums``).
