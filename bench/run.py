@@ -446,6 +446,7 @@ def main() -> None:
                   checkpoint.load_table(ckpt["checkpoint_loads"]),
                   checkpoint.infer_table(ckpt["infer"]),
                   pipeline.table(pipe["pipeline_schedules"]),
+                  pipeline.stacking_table(pipe["pipeline_stacking"]),
                   recompute.table(remat["recompute_policies"]),
                   zero.table(zero_levels["zero_levels"])):
         lines += table + [""]

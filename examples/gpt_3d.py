@@ -8,7 +8,10 @@ the residual stream crosses, runs them under a 1F1B schedule of micro-batches, a
 stage's layers on the rest of the mesh (``dp`` x ``tp``) with the cost model's search.  The
 script prints the plan's explanation (layers, split, schedule, the stage's layouts), the
 collectives XLA inserted per mesh axis, and trains a few steps beside the same steps on one
-device.
+device.  The blocks' weights (and so their Adam moments) are stacked by stage and split over
+``pp`` (``PipelineCell.stack``): each stage holds and updates its own blocks, and no weight
+crosses ``pp``; ``--per-layer`` keeps them per layer, laid out by the step's plan, which moves
+them over ``pp`` every step.
 
     python examples/gpt_3d.py [--steps N] [--layers L] [--width D] [--smoke]
 
@@ -41,9 +44,11 @@ import gpt  # noqa: E402
 import jaxpar  # noqa: E402
 
 
-def make_step(cfg: gpt.GPTConfig, optimizer: optax.GradientTransformation, pipelined: bool):
+def make_step(cfg: gpt.GPTConfig, optimizer: optax.GradientTransformation, pipelined: bool,
+              example: tuple | None = None):
     """``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)`` and the
-    initial parameters and optimizer state."""
+    initial parameters and optimizer state; given an ``example`` batch, the pipelined blocks'
+    weights are stacked by stage and split over ``pp`` (``PipelineCell.stack``)."""
     graphdef, params = nnx.split(gpt.GPT(cfg, nnx.Rngs(0)), nnx.Param)
 
     def loss_fn(p, inputs, targets):
@@ -51,6 +56,8 @@ def make_step(cfg: gpt.GPTConfig, optimizer: optax.GradientTransformation, pipel
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     loss = jaxpar.PipelineCell(loss_fn) if pipelined else loss_fn
+    if pipelined and example is not None:
+        params = loss.stack(params, *example)  # each stage holds and updates its own blocks
 
     def step(p, opt_state, inputs, targets):
         value, grads = jax.value_and_grad(loss)(p, inputs, targets)
@@ -73,6 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--zero", default="level1", choices=["off", "level1", "level3"],
                         help="the parallel optimizer's level (MindSpore's optimizer_level)")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="keep the per-layer parameters (not stacked by stage): the step "
+                             "then moves the block weights over pp every step")
     parser.add_argument("--smoke", action="store_true", help="a tiny run for CI")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -90,11 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
     with jaxpar.auto_parallel_context(parallel_mode="auto_parallel", mesh=mesh,
                                       pipeline_stages=2, micro_batches=args.micro_batches,
                                       pipeline_config={"pipeline_scheduler": "1f1b"}, **zero):
-        step_fn, params, opt_state = make_step(cfg, optimizer, pipelined=True)
-        step = jaxpar.parallelize(step_fn, batch_argnums=(2, 3), donate_argnums=(0, 1))
         x, y = data[0][:, :-1], data[0][:, 1:]
+        step_fn, params, opt_state = make_step(cfg, optimizer, pipelined=True,
+                                               example=None if args.per_layer else (x, y))
+        step = jaxpar.parallelize(step_fn, batch_argnums=(2, 3), donate_argnums=(0, 1))
         plan = step.plan(params, opt_state, x, y)
-        colls = jaxpar.inspect.collectives(step.lower(params, opt_state, x, y).compile())
+        compiled = step.lower(params, opt_state, x, y).compile()
+        colls = jaxpar.inspect.collectives(compiled)
+        argument_bytes = compiled.memory_analysis().argument_size_in_bytes
         losses = []
         for batch in data:
             params, opt_state, loss = step(params, opt_state, batch[:, :-1], batch[:, 1:])
@@ -117,9 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     per_axis = Counter()
     for row in colls:
         per_axis[(row.kind, row.axes)] += row.count
-    print("\ncollectives in the compiled step (kind, mesh axes: count):")
+    print("\ncollectives in the compiled step (kind, mesh axes: count, MiB per device):")
     for (kind, axes), n in sorted(per_axis.items(), key=str):
-        print(f"  {kind:20s} {axes}: {n}")
+        mib = sum(r.nbytes * r.count for r in colls if (r.kind, r.axes) == (kind, axes)) / 2**20
+        print(f"  {kind:20s} {axes}: {n}, {mib:.2f}")
+    print(f"per-device arguments (parameters, optimizer state, batch): "
+          f"{argument_bytes / 2**20:.2f} MiB")
 
     ref_fn, ref_params, ref_opt = make_step(cfg, optimizer, pipelined=False)
     ref_step = jax.jit(ref_fn)
@@ -133,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     if gap > 1e-4:
         raise SystemExit(f"the pipelined losses differ from one device's by {gap:.1e}")
     return {"plan": plan, "collectives": colls, "losses": losses, "reference": reference,
+            "argument_bytes": argument_bytes,
             "stage_layouts": split, "moment_axes": axes}
 
 

@@ -62,6 +62,7 @@ from jaxpar._src.pipeline.markers import pipeline_stage as pipeline_stage
 from jaxpar._src.pipeline.report import PipelinePlan as PipelinePlan
 from jaxpar._src.pipeline.schedule import PipelineSchedule as PipelineSchedule
 from jaxpar._src.pipeline.schedule import Timeline as Timeline
+from jaxpar._src.pipeline.stacked import StackedParams as StackedParams
 from jaxpar._src.plan import OpDecision as OpDecision
 from jaxpar._src.plan import ShardingPlan as ShardingPlan
 from jaxpar._src.ps.context import get_ps_context as get_ps_context
@@ -116,7 +117,8 @@ __all__ = [
     "set_algo_parameters", "set_auto_parallel_context", "set_context", "set_ps_context",
     "set_seed", "shard",
     "PlanDiff", "Report",  # plan reports
-    "PipelineCell", "PipelinePlan", "PipelineSchedule", "Timeline", "pipeline_stage",
+    "PipelineCell", "PipelinePlan", "PipelineSchedule", "StackedParams", "Timeline",
+    "pipeline_stage",
     "recompute",
     "config",  # process-wide settings: plan_cache_dir
     "OptimizerParallel",  # ZeRO 1/2/3 (enable_parallel_optimizer)

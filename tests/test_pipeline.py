@@ -306,6 +306,77 @@ def test_gpt_train_step_on_dp_tp_pp_with_model_train():
     assert any(r.axes and "tp" in r.axes for r in colls), colls.table()
 
 
+# -- stacked layer weights -------------------------------------------------------------------------
+def _over_pp(colls, weight_shape):
+    """Collectives over pp that move layer weights (arrays ending in a weight's shape; the
+    batch is shaped otherwise) other than the loop's rotations and its psum of the loss."""
+    tail = ",".join(map(str, weight_shape)) + "]"
+    return [r for r in colls if r.axes and "pp" in r.axes
+            and r.kind not in ("collective-permute", "all-reduce")
+            and any(sh.endswith(tail) for sh in r.shapes)]
+
+
+def _adam_step(cell):
+    import optax
+
+    opt = optax.adam(1e-2)
+
+    def step(p, o, x):
+        value, grads = jax.value_and_grad(cell)(p, x)
+        updates, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    return opt, step
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_stacked_weights_stay_on_their_stage(S):
+    def loss(w, x):
+        for i in range(8):
+            x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 9)
+    w = [jax.random.normal(k, (16, 16)) * 0.3 for k in keys[:8]]
+    x = jax.random.normal(keys[8], (32, 16))  # not shaped like a weight
+    layer_bytes = sum(a.nbytes for a in w)
+    mesh = jaxpar.make_mesh((8 // S, S), ("dp", "pp"))
+    # S = 4 with ZeRO level 1: the stacked moments split over dp too, the weights stay whole
+    zero = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
+        "optimizer_level": "level1", "parallel_optimizer_threshold": 0}} if S == 4 else {}
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=S, micro_batches=4, **zero):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=1, bubble_fill=NAN)
+        opt, step_fn = _adam_step(cell)
+        sw = cell.stack(w, x)
+        step = jaxpar.parallelize(step_fn, batch_argnums=2)
+        new_sw, _, value = step(sw, opt.init(sw), x)
+        compiled = step.lower(sw, opt.init(sw), x).compile()
+        if S == 2:  # the same step on per-layer weights, laid out by the step's plan: the
+            # weights or their gradients cross pp every step (what this test would catch)
+            plain = jaxpar.inspect.collectives(step.lower(w, opt.init(w), x).compile())
+            assert sum(r.nbytes * r.count for r in _over_pp(plain, (16, 16))) >= \
+                layer_bytes / S
+    assert isinstance(new_sw, jaxpar.StackedParams)
+    # without a pipeline the cell takes the stacked weights too (it unstacks them)
+    np.testing.assert_allclose(cell(new_sw, x), loss(new_sw.unstack(), x), rtol=1e-6)
+    ref_opt, ref_fn = _adam_step(loss)
+    ref_w, _, ref_value = jax.jit(ref_fn)(w, ref_opt.init(w), x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(new_sw.unstack(), ref_w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    colls = jaxpar.inspect.collectives(compiled)
+    assert _over_pp(colls, (16, 16)) == [], colls.table()
+    # per device: the stage's layers (1/S of them), their two Adam moments (split over dp at
+    # level 1), and the batch shard
+    stage = sum(a.addressable_shards[0].data.nbytes for a in sw.stacked)
+    assert stage == layer_bytes // S
+    x_shard = np.prod(compiled.input_shardings[0][2].shard_shape(x.shape)) * x.dtype.itemsize
+    count = 4  # Adam's step count, int32
+    moments = 2 * stage // (8 // S if zero else 1)
+    assert compiled.memory_analysis().argument_size_in_bytes == stage + moments + count + x_shard
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_bad_pipeline_options_are_context_errors():
     with pytest.raises(jaxpar.ContextError, match="pipeline_scheduler"):

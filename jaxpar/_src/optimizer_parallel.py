@@ -128,6 +128,42 @@ class OptimizerParallel:
         return group if slice0 % mesh.product(group) == 0 else ()
 
 
+def _stacked_leaves(args: Sequence[Any], static: Sequence[int]) -> dict[int, Spec]:
+    """The dynamic leaves that are a pipeline's stacked layer weights (``StackedParams``),
+    with the layout they were stacked in (dimension 0 over ``"pp"``)."""
+    from jaxpar._src.pipeline.stacked import StackedParams
+
+    out: dict[int, Spec] = {}
+    n = 0
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, StackedParams)):
+            if isinstance(x, StackedParams):
+                for j, w in enumerate(x.stacked):
+                    out[n + j] = x.layout.specs[j] if x.layout.specs else Spec(
+                        (("pp",),) + ((),) * (len(np.shape(w)) - 1))
+                n += len(jax.tree.leaves(x))
+            else:
+                n += 1
+    return out
+
+
+def _stacked_dim(opt: OptimizerParallel, value: Any, base: Spec, dp_axes: Sequence[str],
+                 mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
+    """Where a pipeline's stacked weight (``jaxpar.StackedParams``: ``[S, v, k, ...]`` laid out
+    ``base``, dimension 0 over ``"pp"``, one row per stage) is split further: its first later
+    dimension that divides."""
+    shape = tuple(value.shape)
+    for d in range(1, len(shape)):
+        rotated = (shape[d],) + shape[:d] + shape[d + 1:]
+        turned = Spec((base.dims[d],) + base.dims[:d] + base.dims[d + 1:])
+        axes = opt.split_axes(rotated, value.dtype, turned, dp_axes, mesh)
+        if axes:
+            return d, axes
+    return 0, ()
+
+
 def _suffix(free: tuple[str, ...], k: int, mesh: MeshShape) -> tuple[str, ...]:
     """The innermost free axes whose sizes multiply to ``k`` (MindSpore groups neighbouring
     ranks); raises when no such axes exist."""
@@ -263,17 +299,31 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
                 if out[k].strategy.out_specs[0].dims else []
     dp_axes = tuple(dp) or mesh.names
     wanted = {"optimizer"} | ({"param", "state"} if opt.shards_parameters else set())
-    for role, nid in zip(roles, graph.inputs, strict=True):
-        if role not in wanted:
-            continue
+    stacked = _stacked_leaves(args, static)
+    for leaf, (role, nid) in enumerate(zip(roles, graph.inputs, strict=True)):
         value = graph.values[graph.nodes[nid].outputs[0]]
         k = index.get((nid, "out"))
-        base = out[k].strategy.out_specs[0] if k is not None else Spec.replicated(
-            len(value.shape))
-        axes = opt.split_axes(value.shape, value.dtype, base, dp_axes, mesh)
-        if not axes:
-            continue
-        spec = Spec((base.dims[0] + axes,) + base.dims[1:])
+        if role not in wanted:
+            if leaf in stacked and k is None and role == "param":
+                # a stacked weight stays as the pipeline stacked it (whole over the
+                # data-parallel axes below level 3), not as its split moments would pull it
+                spec = stacked[leaf]
+            else:
+                continue
+        else:
+            base = out[k].strategy.out_specs[0] if k is not None else Spec.replicated(
+                len(value.shape))
+            dim = 0
+            if leaf in stacked and k is None:
+                base = stacked[leaf]
+                dim, axes = _stacked_dim(opt, value, base, dp_axes, mesh)
+            else:
+                axes = opt.split_axes(value.shape, value.dtype, base, dp_axes, mesh)
+            if not axes:
+                continue
+            dims = list(base.dims)
+            dims[dim] = dims[dim] + axes
+            spec = Spec(tuple(dims))
         for node, side in ((nid, "out"), (tied.get(nid), "in")):
             if node is None:
                 continue

@@ -13,6 +13,7 @@ The pieces, in the order a pipelined loss goes through them::
     program.py   everything above for one signature: the PipelineProgram
     tracing.py   what a parallelize call tells the PipelineCells it traces
     cell.py      PipelineCell: the custom_vjp loss a train step differentiates
+    stacked.py   StackedParams: layer weights kept stacked by stage, split over "pp"
     outer.py     how the enclosing parallelize plans the pipeline's shard_map
     report.py    PipelinePlan: plan.pipeline, its explanation and timeline
 """

@@ -20,15 +20,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar._src.context import ParallelMode, current_context
-from jaxpar._src.errors import ContextError, MeshError, warn_once
+from jaxpar._src.errors import ContextError, MeshError, PlanError, warn_once
 from jaxpar._src.hardware import resolve_hardware
 from jaxpar._src.pipeline import tracing
-from jaxpar._src.pipeline.config import PipelineConfig, check_micro_batches
+from jaxpar._src.pipeline.config import AXIS, PipelineConfig, check_micro_batches
 from jaxpar._src.pipeline.loop import make_loop
 from jaxpar._src.pipeline.program import PipelineProgram, build_program
+from jaxpar._src.pipeline.stacked import StackedParams, stack, stack_groups, stack_layout
 from jaxpar._src.spec import Spec
 from jaxpar._src.tracing_state import tracing_mesh
 
@@ -48,7 +49,8 @@ class PipelineCell:
     ``parallelize(micro_batches=...)``, else the context's ``micro_batches``, else the stage
     count.  The layers to pipeline are the user's :class:`jaxpar.pipeline_stage` regions, or
     the identical layers jaxpar finds, split to balance the cost model's time (see
-    ``plan.explain()``).
+    ``plan.explain()``).  Per-layer parameters live on every stage; :meth:`stack` keeps each
+    stage's layers on it (:class:`jaxpar.StackedParams`).
 
     Args:
       fn: ``fn(params, *batch) -> loss`` (any argument order; see ``batch_argnums``).
@@ -92,14 +94,77 @@ class PipelineCell:
         where = f"jaxpar.PipelineCell({getattr(self.fn, '__name__', 'fn')})"
         found = self._resolve(where)
         if found is None:
-            return self.fn(*args)
+            return self.fn(*[a.unstack() if isinstance(a, StackedParams) else a for a in args])
+        program = self._program(args, found, where)
+        leaves: list[Any] = []
+        given: dict[int, Any] = {}  # stacked position -> the stacked array the caller holds
+        for a in args:
+            if not isinstance(a, StackedParams):
+                leaves.extend(jax.tree.leaves(a))
+                continue
+            groups = stack_groups(program, len(a.layout.avals), len(leaves))
+            if a.layout.grid == tuple(program.slot_layer.shape):
+                for j, group in groups.items():
+                    if group in a.layout.groups:
+                        shape = program.graph.values[program.stacked_values(j)[0]].shape
+                        x = a.stacked[a.layout.groups.index(group)]
+                        given[j] = jnp.reshape(x, tuple(x.shape[:3]) + tuple(shape))
+            if len(given) < len(a.layout.groups):
+                warn_once(f"stacked-layout:{program.id}",
+                          f"{where}: StackedParams stacked for another stage split than this "
+                          f"pipeline's {tuple(program.split.counts)}; the step restacks them "
+                          f"(moving the layer weights over 'pp' every step). Stack them with "
+                          f"this cell under the same context (PipelineCell.stack).")
+            leaves.extend(a.leaves())
+        run = self._runs.get(program.id)
+        if run is None:
+            run = self._runs[program.id] = _pipelined(program, self.bubble_fill)
+        return run(leaves, given)
+
+    def stack(self, *args: Any, argnum: int = 0) -> StackedParams:
+        """Argument ``argnum`` (the parameters) with the pipeline's layer weights stacked
+        ``[S, v, k, ...]`` and put split over ``"pp"`` (the layout this pipeline's loop reads),
+        as a :class:`jaxpar.StackedParams` to pass, and to update, in their place.
+
+        ``args`` are what the cell will be called with (the batch gives the micro-batch shape
+        the stage split is planned for); call it under the same pipeline context.  A weight
+        stacked here never moves over ``"pp"``: each stage holds and updates its own layers.
+        """
+        where = f"jaxpar.PipelineCell({getattr(self.fn, '__name__', 'fn')}).stack"
+        found = self._resolve(where)
+        if found is None:
+            raise ContextError(f"{where}: stacking needs a pipeline: set pipeline_stages > 1 "
+                               f"and a mesh with a 'pp' axis (semi_auto_parallel or "
+                               f"auto_parallel) in the context.")
+        if isinstance(args[argnum], StackedParams):
+            return args[argnum]
+        program = self._program(args, found, where)
+        offset = len(jax.tree.leaves(list(args[:argnum])))
+        groups = stack_groups(program, len(jax.tree.leaves(args[argnum])), offset)
+        if not groups:
+            raise PlanError(f"{where}: no layer weight of this pipeline is a leaf of argument "
+                            f"{argnum} as it is (each layer's weights are derived in the "
+                            f"loss); there is nothing to stack.")
+        layout = stack_layout(program, args[argnum], offset)
+        leaves = jax.tree.leaves(args[argnum])
+        shardings = []
+        for j, group in groups.items():
+            value = program.graph.values[program.stacked_values(j)[0]]
+            first = leaves[next(x for x in group if x >= 0)]
+            spec = program.weight_spec(j).to_partition_spec() \
+                if tuple(np.shape(first)) == tuple(value.shape) else PartitionSpec(AXIS)
+            shardings.append(NamedSharding(program.mesh, spec))
+        return stack(layout, args[argnum], shardings)
+
+    def _program(self, args: Sequence[Any], found: tuple, where: str) -> PipelineProgram:
         config, mesh, mode, search_mode, hardware, tr = found
         batch_argnums = self.batch_argnums if self.batch_argnums is not None else \
             tuple(range(1, len(args)))
         if not batch_argnums:
             raise ContextError(f"{where}: the function takes one argument; say which "
                                f"arguments carry the batch with batch_argnums.")
-        avals = [jax.tree.map(_abstract, a) for a in args]
+        avals = [jax.tree.map(_abstract, a.abstract() if isinstance(a, StackedParams) else a)
+                 for a in args]
         key = (_signature(avals), config, mesh, mode, search_mode, hardware, batch_argnums)
         program = self._programs.get(key)
         if program is None:
@@ -112,11 +177,7 @@ class PipelineCell:
         from jaxpar._src.pipeline.outer import register
 
         register(program)
-        run = self._runs.get(program.id)
-        if run is None:
-            run = self._runs[program.id] = _pipelined(program, self.bubble_fill)
-        leaves, _ = jax.tree.flatten(list(args))
-        return run(*leaves)
+        return program
 
     def _resolve(self, where: str) -> tuple | None:
         tr = tracing.current()
@@ -182,12 +243,13 @@ def _pipelined(program: PipelineProgram, fill: float) -> Callable:
 
     loop.defvjp(fwd, bwd)
 
-    def run(*leaves: Any) -> Any:
+    def run(leaves: Sequence[Any], given: dict[int, Any]) -> Any:
         env = {graph.nodes[nid].outputs[0]: x for nid, x in zip(graph.inputs, leaves,
                                                                 strict=True)}
         with jax.named_scope("jaxpar_pipeline_weights"):
             pieces.weight_work(env)
-        weights = [_constrain(_stack(program, [env[v] for v in program.stacked_values(j)]),
+        weights = [_constrain(given[j] if j in given else
+                              _stack(program, [env[v] for v in program.stacked_values(j)]),
                               program.weight_spec(j), program)
                    for j in range(len(program.stacked))]
         rest = [_constrain(env[v], program.spec(v), program) for v in program.rest]
