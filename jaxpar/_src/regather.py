@@ -100,7 +100,8 @@ class Regather:
         for vid in split:
             v = graph.values[vid]
             own = specs[v.producer].out_specs[v.index]
-            if any(use.consumer in backward and
+            if any(use.consumer in backward and  # a loop's own node: its enter nodes read
+                   graph.nodes[use.consumer].kind is not NodeKind.CONTROL and
                    specs[use.consumer].in_specs[use.in_index] != own
                    for use in graph.consumers[vid]):
                 values.add(vid)
