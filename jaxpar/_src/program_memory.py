@@ -32,9 +32,10 @@ search's linear cuts).  :func:`lowered_memory` models, for one plan (the model i
   lifetime-ordered packing, as XLA picks the better of its two).
 
 The residual (README, ``bench/zero.py``): positions are graph order (a loop body counts once,
-at its place), not XLA's schedule; fusion is XLA's rule in outline; and XLA shares an
-operand's buffer with its reader's result in some places the model does not (it shares only
-with outputs), so it over-predicts where XLA does.  On ``bench/zero.py``'s GPT (2 and 4
+at its place), not XLA's schedule; fusion is XLA's rule in outline; XLA shares an operand's
+buffer with its reader's result in places the model does not (it shares only with outputs):
+the model over-predicts there; XLA's heap can fragment more than the model's packing: it
+under-predicts there.  On ``bench/zero.py``'s GPT (2 and 4
 layers) the prediction is within 8% of ``memory_analysis()``'s total at every level (level
 0 over by 7%, levels 1-3 under by 2-5%); on ``tests/test_memory_objective.py``'s Adam MLP
 over by 18% (off) and 13% (level 1), exact at level 3.
