@@ -5,7 +5,8 @@ The GPT train step of ``examples/gpt.py`` (Adam) in ``data_parallel`` mode on 8 
 ``level3`` (threshold 0: every array whose dimension 0 divides by 8 is split).  Per level, from
 the compiled program: per-device argument, temporary and total bytes
 (``compiled.memory_analysis()``), the optimizer state's per-device bytes (from the input
-shardings), jaxpar's predicted peak (``plan.memory_bytes``), and the collectives of the
+shardings), jaxpar's prediction of the total (``plan.memory_bytes``,
+``jaxpar/_src/program_memory.py``) and its ratio to the compiled total, and the collectives of the
 partitioned HLO by kind (count and payload bytes per device) with their ring wire bytes in units
 of Ψ (the parameters' bytes).  The last row is ``jax.jit`` given level 3's input and output
 shardings (XLA's own propagation of the same FSDP layout).  Known answer (ZeRO, Rajbhandari et
@@ -127,7 +128,9 @@ def table(rows: list[dict]) -> list[str]:
              "",
              "Per device: bytes from `compiled.memory_analysis()` (arguments, temporaries, "
              "total = arguments + outputs - aliased + temporaries), the parameters' and the "
-             "optimizer state's bytes from the input shardings, jaxpar's predicted peak; "
+             "optimizer state's bytes from the input shardings, jaxpar's predicted total "
+             "(`plan.memory_bytes`: jaxpar/_src/program_memory.py) and its ratio to the "
+             "compiled total; "
              "collectives of the partitioned HLO: count / MiB payload per device; wire bytes "
              "(ring) in Ψ; 2Ψ in ZeRO's units is 1.75Ψ on 8 devices.  ZeRO's paper: 2Ψ for "
              "levels 1-2 (reduce-scatter, all-gather), 3Ψ for level 3.  Level 3 gathers each "
@@ -135,13 +138,15 @@ def table(rows: list[dict]) -> list[str]:
              "temporaries in the output buffers: compare totals.",
              "",
              "| level | params MiB | opt state MiB | arguments MiB | temp MiB | total MiB | "
-             "predicted MiB | " + " | ".join(KINDS) + " | wire Ψ | max abs diff | compile s |",
-             "|---|" + "---:|" * (9 + len(KINDS))]
+             "predicted MiB | predicted / total | " + " | ".join(KINDS)
+             + " | wire Ψ | max abs diff | compile s |",
+             "|---|" + "---:|" * (10 + len(KINDS))]
     for r in rows:
         colls = " | ".join(
             f"{r['collectives'][k]['count']} / {r['collectives'][k]['bytes'] / mib:.2f}"
             if k in r["collectives"] else "-" for k in KINDS)
-        pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / mib:.2f}"
+        pred = "- | -" if r["predicted_bytes"] is None else \
+            f"{r['predicted_bytes'] / mib:.2f} | {r['predicted_bytes'] / r['total_bytes']:.3f}"
         lines.append(
             f"| {r['level']} | {r['params_bytes'] / mib:.2f} | {r['opt_state_bytes'] / mib:.2f} "
             f"| {r['argument_bytes'] / mib:.2f} | {r['temp_bytes'] / mib:.2f} | "

@@ -150,3 +150,40 @@ def test_backward_nodes_are_those_jax_transposed():
     assert sorted((n.name, n.backward, n.remat is not None) for n in readers(w1)) == [
         ("add", False, False), ("dot_general", False, False),  # forward, update
         ("dot_general", True, True), ("dot_general", True, True)]  # recomputed, transposed
+
+
+def test_scanned_layers_gather_each_slice_in_the_forward_and_the_backward_loop():
+    """Layers stacked and run by ``lax.scan`` (as ``nn.scan`` / MaxText do): at level 3 the
+    stack is split, and each iteration of the forward loop and of the backward loop (JAX's
+    transposed scan, another loop) gathers its own layer's slice inside the loop body: no
+    whole stack lives across the step.  (Planning used to fail here: the backward scan's own
+    node reads the split stack.)"""
+    layers, d, batch = 8, 64, 64  # the stack's dimension 0 divides over the 8 devices
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k[0], (layers, d, d)) * 0.3,
+              "out": jax.random.normal(k[1], (d, 16)) * 0.3}
+    x = jax.random.normal(k[2], (batch, d))
+    tx = optax.adam(1e-2, eps=1e-3)
+
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])
+        return jnp.mean((h @ p["out"]) ** 2)
+
+    def step(params, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    args = (params, tx.init(params), x)
+    with jaxpar.auto_parallel_context(**LEVEL3):
+        f = jaxpar.parallelize(step, mesh=jaxpar.make_mesh((8,), ("dp",)),
+                               parallel_mode="data_parallel")
+        got = f(*args)
+        colls = jaxpar.inspect.collectives(f.lower(*args))
+        assert f.plan(*args).input_layouts()["params.w"] == jax.sharding.PartitionSpec("dp")
+    # the layer's slice f32[d, d], gathered in two loop bodies, once per iteration each
+    in_loops = [c for c in colls if c.kind == "all-gather" and c.shapes == (f"f32[{d},{d}]",)
+                and c.count == layers]
+    assert len({c.computation for c in in_loops}) == 2, colls.table()
+    assert not [c for c in colls if c.kind == "all-gather" and f"f32[{layers}," in c.shapes[0]]
+    assert_tree_close(got, jax.jit(step)(*args), rtol=1e-5, atol=1e-5)

@@ -49,6 +49,7 @@ from jaxpar._src.plan_cache import (
 )
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
+from jaxpar._src.program_memory import with_lowered_memory
 from jaxpar._src.recompute import POLICIES, choosing
 from jaxpar._src.recompute_choice import (
     Rung,
@@ -472,10 +473,17 @@ class Parallelized:
                               baseline_pins=self._baseline_pins(args, program, space, settings,
                                                                 pins, names),
                               api=info.api)
-        return regather_note(program.graph, make_plan(
+        plan = make_plan(
             program.graph, decision.assignment, space,
             device_ids=[d.id for d in mesh.devices.flat], parallel_mode=settings.mode.value,
-            search_mode=decision.search_mode, details=decision.details, report=decision.report))
+            search_mode=decision.search_mode, details=decision.details, report=decision.report)
+        # memory_bytes as the lowering (_jit) makes the program: program_memory.py
+        again = Regather.of(program.graph, plan) if settings.mode is not \
+            ParallelMode.STAND_ALONE else Regather()
+        plan = regather_note(program.graph, plan, again)
+        if not (again or plan.scatters):  # make_plan's estimate is the lowered program's
+            return plan
+        return with_lowered_memory(program.graph, plan, regather=again)
 
     def _batch(self, args: tuple, program: TracedProgram, names: list[str]) -> tuple[int, ...]:
         info = self._info

@@ -23,7 +23,7 @@ from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.plan_files import input_mismatch, structure_mismatch
 from jaxpar._src.rules import OpStrategy, strategy_for_specs
-from jaxpar._src.scatter import Scatter
+from jaxpar._src.scatter import Scatter, unscattered
 from jaxpar._src.search import (
     Assignment,
     Pin,
@@ -33,7 +33,6 @@ from jaxpar._src.search import (
     get_search,
 )
 from jaxpar._src.search.memory import peak_memory
-from jaxpar._src.spec import Spec
 
 
 def decide(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]], *,
@@ -84,7 +83,7 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
         specs.update({("out", j): s for j, s in enumerate(d.out_specs)})
         # its rule's layout: the result before the reduce-scatter (a partial sum has it)
         if node.id in scattered and not scattered[node.id].partial:
-            specs[("out", 0)] = _unscattered(d.out_specs[0], scattered[node.id])
+            specs[("out", 0)] = unscattered(d.out_specs[0], scattered[node.id])
         strategy = strategy_for_specs(space.rule(node.id), specs, mesh)
         if strategy is None:
             raise PlanError(f"{api}: the strategy file {path!r} gives node {node.id} "
@@ -92,15 +91,6 @@ def load_strategies(path: str, space: SearchSpace, *, api: str) -> SearchResult:
         strategies[node.id] = strategy
         origins[node.id] = f"loaded ({d.origin})" if d.origin else "loaded"
     return SearchResult(Assignment(strategies, origins), f"loaded:{saved.search_mode}")
-
-
-def _unscattered(spec: Spec, scatter: Scatter) -> Spec:
-    """The layout of a contraction's result before ``scatter`` split dimension ``dim`` further
-    over its axes (they end that dimension's axes)."""
-    dims = spec.dims[scatter.dim]
-    kept = dims[:len(dims) - len(scatter.axes)]
-    assert kept + scatter.axes == dims, (spec, scatter)
-    return Spec(spec.dims[:scatter.dim] + (kept,) + spec.dims[scatter.dim + 1:])
 
 
 def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, device_ids:

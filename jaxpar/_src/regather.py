@@ -78,11 +78,19 @@ class Regather:
     @classmethod
     def of(cls, graph: OpGraph, plan: ShardingPlan) -> Regather:
         """The parameters of ``plan`` (level 3's pins) that its backward pass reads whole."""
+        return cls.find(graph, plan.decisions, frozenset(
+            nid for nid in graph.inputs if plan.decisions[nid].origin == ORIGIN))
+
+    @classmethod
+    def find(cls, graph: OpGraph, specs: Any, split_inputs: frozenset[int]) -> Regather:
+        """:meth:`of` for the input nodes ``split_inputs`` (level 3's pins) and the layouts
+        ``specs[node id]`` (a plan's decisions, or a search's strategies)."""
+        if not split_inputs:
+            return cls()
         backward = frozenset(n.id for n in graph.nodes if n.backward)
         if not backward:
             return cls()
-        split = {graph.nodes[nid].outputs[0] for nid in graph.inputs
-                 if plan.decisions[nid].origin == ORIGIN}
+        split = {graph.nodes[nid].outputs[0] for nid in split_inputs}
         for node in graph.nodes:  # and what a view of one alone makes (in graph order)
             if node.kind is NodeKind.OP and node.name in VIEWS and len(node.outputs) == 1 \
                     and [o for o in node.inputs if not isinstance(o, Const)] and \
@@ -91,9 +99,10 @@ class Regather:
         values = set()
         for vid in split:
             v = graph.values[vid]
-            own = plan.decisions[v.producer].out_specs[v.index]
-            if any(use.consumer in backward and
-                   plan.decisions[use.consumer].in_specs[use.in_index] != own
+            own = specs[v.producer].out_specs[v.index]
+            if any(use.consumer in backward and  # a loop's own node: its enter nodes read
+                   graph.nodes[use.consumer].kind is not NodeKind.CONTROL and
+                   specs[use.consumer].in_specs[use.in_index] != own
                    for use in graph.consumers[vid]):
                 values.add(vid)
         return cls(frozenset(values), backward)
@@ -123,17 +132,19 @@ class Regather:
 NONE = Regather()  # nothing to gather again
 
 
-def regather_note(graph: OpGraph, plan: ShardingPlan) -> ShardingPlan:
+def regather_note(graph: OpGraph, plan: ShardingPlan, again: Regather | None = None
+                  ) -> ShardingPlan:
     """``plan`` with a note on the parameters gathered again for the backward pass, if any
-    (the plan's collectives and ``memory_bytes`` count each layout change once)."""
-    again = Regather.of(graph, plan)
+    (``again``: :meth:`Regather.of` of them, if the caller has it)."""
+    again = Regather.of(graph, plan) if again is None else again
     if not again:
         return plan
     whole = sum(graph.values[v].nbytes for v in again.values) / 2.0**20
     note = (f"parallel optimizer level 3: {len(again.values)} split parameters or views of "
             f"one ({whole:.2f} MiB whole) are all-gathered again for the backward pass "
-            f"(ZeRO-3), not kept from the forward pass; the predicted collectives and memory "
-            f"count one gather each")
+            f"(ZeRO-3), not kept from the forward pass; memory_bytes counts each gathered "
+            f"copy around its forward and its backward uses, the predicted collectives one "
+            f"gather each")
     return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 

@@ -223,6 +223,15 @@ def find_scatters(graph: OpGraph, plan: ShardingPlan
     return dataclasses.replace(plan, decisions=tuple(decisions)), scatters
 
 
+def unscattered(spec: Spec, scatter: Scatter) -> Spec:
+    """The layout of a contraction's result before ``scatter`` split dimension ``dim`` further
+    over its axes (they end that dimension's axes)."""
+    dims = spec.dims[scatter.dim]
+    kept = dims[:len(dims) - len(scatter.axes)]
+    assert kept + scatter.axes == dims, (spec, scatter)
+    return Spec(spec.dims[:scatter.dim] + (kept,) + spec.dims[scatter.dim + 1:])
+
+
 def unstacked(plan: ShardingPlan, scatters: dict[int, Scatter]) -> ShardingPlan:
     """``plan`` (as :func:`find_scatters` returns it) with each partial sum in the layout of
     its local sums, not stacked: the layouts of the graph's own values, which the plan keeps

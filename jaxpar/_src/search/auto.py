@@ -23,7 +23,10 @@ from typing import Protocol
 import numpy as np
 
 from jaxpar._src.errors import PlanError
+from jaxpar._src.graph import NodeKind
 from jaxpar._src.plan import _bytes
+from jaxpar._src.regather import ORIGIN as REGATHERED
+from jaxpar._src.regather import Regather
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.search.common import Assignment, Pin, SearchSpace
 from jaxpar._src.search.memory import MemoryEstimate, live_ranges, peak_memory, replicated_peak
@@ -70,6 +73,7 @@ class Memory:
     budget: float  # bytes per device
     roomy: bool  # nothing replicated exceeds it: no plan can
     search_mode: str
+    split: frozenset[int] = frozenset()  # ZeRO level 3's pinned inputs (gathered again)
 
     def lift(self, choice: Mapping[int, int]) -> dict[int, int]:
         """A choice of the searched problem as one of the full problem."""
@@ -78,9 +82,8 @@ class Memory:
         return {r: choice[self.owner[r]] for r in self.problem.reps}
 
     def estimate(self, choice: Mapping[int, int]) -> MemoryEstimate:
-        space = self.problem.space
-        return peak_memory(space.graph, self.problem.expand(self.lift(choice)),
-                           space.model.mesh)
+        return _estimate(self.problem.space, self.problem.expand(self.lift(choice)),
+                         self.split, self.roomy)
 
     def peak(self, choice: Mapping[int, int]) -> float:
         return 0.0 if self.roomy else self.estimate(choice).peak
@@ -89,9 +92,15 @@ class Memory:
         return self.peak(choice) <= self.budget
 
     def cut(self, choice: Mapping[int, int]) -> tuple[dict[int, np.ndarray], float]:
-        """The linear constraint that the bytes live where ``choice`` peaks fit the budget."""
-        return _fold(_memory_cut(self.problem, self.estimate(choice).at, self.budget),
-                     self.owner)
+        """The linear constraint that the bytes live where ``choice`` peaks shrink by the
+        factor ``choice`` is over the budget.  The estimate (fused, packed) is not linear in
+        the choice; the cut counts the values live there unfused (:func:`live_ranges`), so
+        its bound is ``choice``'s own count scaled by that factor."""
+        est = self.estimate(choice)
+        coeffs, _ = _memory_cut(self.problem, est.at, self.budget)
+        lifted = self.lift(choice)
+        live = sum(float(vec[lifted[r]]) for r, vec in coeffs.items())
+        return _fold((coeffs, live * self.budget / max(est.peak, 1.0)), self.owner)
 
     def refusal(self, smallest: float) -> PlanError:
         return PlanError(
@@ -139,7 +148,7 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
         if request.baseline_pins is not None else None
     if base is not None:  # how large XLA's combined gradient all-reduces are (combine.py)
         space.calibrate(base)
-    graph, mesh = space.graph, space.model.mesh
+    graph = space.graph
     budget = float(space.model.hw.memory_per_device)
     roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
     run = functools.partial(_solve, request=request, search_mode=search_mode, solver=solver,
@@ -163,10 +172,12 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
             notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
     details = _details(problem, choice)
     pinned = {p.node for p in request.pins}
+    split = _split(request)
 
     def option(name: str, plan: Mapping[int, OpStrategy]) -> _Option:
         plan = split_inputs(space, plan, pinned)  # as each would end: compared as used
-        return _Option(name, plan, space.price(plan).step_s, peak_memory(graph, plan, mesh))
+        return _Option(name, plan, space.price(plan).step_s,
+                       _estimate(space, plan, split, roomy))
 
     options = [option("search", strategies)]
     lean = _lean(problem, choice)
@@ -276,7 +287,7 @@ def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solv
         target, owner = quotient(problem)
         notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
                      f"{len(target.reps)}")
-    memory = Memory(problem, owner, budget, roomy, search_mode)
+    memory = Memory(problem, owner, budget, roomy, search_mode, _split(request))
     solution = solver(target, memory)
     notes.extend(solution.notes)
     return problem, memory.lift(solution.choice), solution.optimal, notes
@@ -297,6 +308,23 @@ def _fit_memory(problem: Problem, choice: dict[int, int],
         if memory.peak(candidate) < memory.peak(smallest):
             smallest = candidate
     return smallest
+
+
+def _split(request: SearchRequest) -> frozenset[int]:
+    """The inputs ZeRO level 3 splits (the parallel optimizer's pins): the lowering gathers
+    them again for the backward pass."""
+    graph = request.space.graph
+    return frozenset(p.node for p in request.pins
+                     if p.origin == REGATHERED and graph.nodes[p.node].kind is NodeKind.INPUT)
+
+
+def _estimate(space: SearchSpace, strategies: Mapping[int, OpStrategy], split: frozenset[int],
+              roomy: bool) -> MemoryEstimate:
+    """What the compiled program of ``strategies`` holds (search/memory.py), the packing left
+    out where the budget cannot bind (``roomy``: the estimate only breaks ties)."""
+    again = Regather.find(space.graph, strategies, split)
+    return peak_memory(space.graph, strategies, space.model.mesh,
+                       again=again.applies if again else None, packed=not roomy)
 
 
 def _memory_cut(problem: Problem, position: int, budget: float

@@ -1,21 +1,42 @@
-"""Per-device memory of a plan: arguments held throughout, intermediates while they are live.
+"""Per-device memory of a plan: what the compiled program holds.
 
-Values live from the node that produces them to their last reader, in graph order (a loop body
-counts once, at its place).  The estimate is the peak of the live bytes per device, which is
-what XLA must hold at least; its own buffer reuse can only do better on temporaries.
+:func:`lowered` models what XLA makes of a plan's program (the module docstring of
+:mod:`jaxpar._src.program_memory` says how, and how close it comes): elementwise chains fused
+and never stored, one copy per value and layout a reader takes it in, the outputs' own
+allocations and the temporaries packed into one heap.  :func:`peak_memory` is what the
+searches compare plans by; :func:`live_ranges` (values live from the node that produces them to
+their last reader, in graph order, none fused) is the coarse form the exact search's linear
+memory cuts and :func:`replicated_peak` use.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxpar._src.graph import NodeKind, OpGraph
+from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.rules import OpStrategy
-from jaxpar._src.spec import MeshShape
+from jaxpar._src.rules.elementwise import BINARY, UNARY
+from jaxpar._src.spec import MeshShape, Spec
+
+# Operators XLA fuses into the loop of their readers (loop fusion) and that fuse their
+# operands in turn.
+FUSIBLE = (frozenset(UNARY) | frozenset(BINARY) | {
+    "select_n", "clamp", "integer_pow", "square", "convert_element_type", "broadcast_in_dim",
+    "reshape", "squeeze", "expand_dims", "copy", "copy_p", "iota", "reduce_precision"}) - {
+    "reshard", "mesh_cast"}
+# Readers that take a fused operand besides FUSIBLE: reductions (XLA's reduce fusion).
+_FUSING_READERS = FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                             "argmin"}
+# What XLA will not compute twice to fuse it into several readers (its ``IsExpensive``).
+_EXPENSIVE = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf",
+                        "erfc", "erf_inv", "pow", "div", "sqrt", "rsqrt", "cbrt", "sin", "cos",
+                        "tan", "atan2", "lgamma", "digamma", "integer_pow", "rem"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,27 +64,102 @@ def live_ranges(graph: OpGraph) -> list[tuple[int, int, int]]:
     return out
 
 
-def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape
+def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape, *,
+                again: Callable[[int, int], bool] | None = None, packed: bool = True
                 ) -> MemoryEstimate:
-    n = len(graph.nodes) + 1
-    delta = np.zeros(n + 1)
-    arguments = 0.0
-    values = graph.values
-    fractions: dict = {}  # per layout: a plan has few, its values many
-    for vid, first, stop, nbytes, is_argument in _lifetimes(graph):
+    """The memory per device of ``strategies`` compiled (:func:`lowered`): ``peak`` is its
+    total (``packed=False``: the most bytes live at once, cheaper), ``at`` where the most
+    bytes are live."""
+    m = lowered(graph, strategies, mesh, again=again, packed=packed)
+    return MemoryEstimate(m.total if packed else m.live_peak, m.arguments, m.at)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredMemory:
+    """Bytes per device of a compiled plan, as ``compiled.memory_analysis()`` counts them.
+
+    Attributes:
+      arguments: the arguments (held throughout; not donated).
+      outputs: the results' allocations.
+      heap: the temporaries that fit in no output allocation, packed.
+      live_peak: the most bytes live at once (arguments included).
+      at: the graph position (node id) of ``live_peak``.
+    """
+
+    arguments: float
+    outputs: float
+    heap: float
+    live_peak: float
+    at: int
+
+    @property
+    def total(self) -> float:
+        """``arguments + outputs + heap``: ``memory_analysis()``'s arguments + outputs -
+        aliased + temporaries."""
+        return self.arguments + self.outputs + self.heap
+
+
+def lowered(graph: OpGraph, specs: Mapping[int, Any] | Sequence[Any], mesh: MeshShape, *,
+            again: Callable[[int, int], bool] | None = None,
+            temporaries: Sequence[tuple[float, int]] = (), packed: bool = True
+            ) -> LoweredMemory:
+    """The memory of the program that gives each node ``specs[node id]``'s layouts
+    (``.in_specs``, ``.out_specs``: a strategy or a plan's decision).  ``again(reader,
+    operand)``: the reader's copy of the operand is one of its own (level 3's backward
+    gathers); ``temporaries``: ``(bytes, node)`` held while a node runs; ``packed=False``:
+    the live peak alone (``outputs`` and ``heap`` zero)."""
+    nodes, values = graph.nodes, graph.values
+    fractions: dict[Spec, float] = {}
+
+    def own(vid: int) -> Spec:
         v = values[vid]
-        spec = strategies[v.producer].out_specs[v.index]
-        fraction = fractions.get(spec)
-        if fraction is None:
-            fraction = fractions[spec] = spec.shard_fraction(mesh)
-        b = nbytes * fraction
-        delta[first] += b
-        delta[stop + 1] -= b
-        if is_argument:
-            arguments += b
-    live = np.cumsum(delta)[:n]
-    at = int(np.argmax(live))
-    return MemoryEstimate(float(live[at]), arguments, at)
+        return specs[v.producer].out_specs[v.index]
+
+    def held(vid: int, spec: Spec) -> float:  # bytes per device
+        f = fractions.get(spec)
+        if f is None:
+            f = fractions[spec] = spec.shard_fraction(mesh)
+        return values[vid].nbytes * f
+
+    fused = _fused(graph, specs)
+    end, soft = _ends(graph, fused)
+    last = 2 * len(nodes)  # outputs live to here (positions in half steps: see _ends)
+    outputs = set()
+    for o in graph.outputs:
+        x = nodes[o].inputs[0]
+        if isinstance(x, int) and specs[o].in_specs[0] == own(x):
+            outputs.add(x)
+    arguments = 0.0
+    # (bytes, first, last, an output, last for an output allocation)
+    buffers: list[tuple[float, int, int, bool, int]] = []
+    for v in values:
+        if nodes[v.producer].kind in (NodeKind.INPUT, NodeKind.CONST):
+            arguments += held(v.id, own(v.id))
+        elif v.id not in fused:
+            out = v.id in outputs
+            buffers.append((held(v.id, own(v.id)), 2 * v.producer,
+                            last if out else end[v.id], out, last if out else soft[v.id]))
+    # layout changes: one copy per value and layout (and per again(), its readers' own)
+    spans: dict[tuple[int, Spec, bool], list[int]] = {}
+    for node in nodes:
+        if node.kind is NodeKind.CONTROL:
+            continue
+        for operand, spec in zip(node.inputs, specs[node.id].in_specs, strict=True):
+            if isinstance(operand, Const) or spec == own(operand):
+                continue
+            o = operand
+            at = 2 * node.id - 1  # made just before its reader
+            stop = last if node.kind is NodeKind.OUTPUT else max(
+                [2 * node.id] + [end[x] for x in node.outputs if x in fused])
+            key = (o, spec, again is not None and again(node.id, o))
+            span = spans.setdefault(key, [at, stop])
+            span[0], span[1] = min(span[0], at), max(span[1], stop)
+    for (o, spec, _), (first, stop) in spans.items():
+        buffers.append((held(o, spec), first, stop, stop == last, stop))
+    buffers.extend((b, 2 * nid, 2 * nid, False, 2 * nid) for b, nid in temporaries)
+    live_peak, at = _live_peak(buffers, last + 1)
+    outs, heap = _assign(buffers) if packed else (0.0, 0.0)
+    return LoweredMemory(arguments, outs, heap, arguments + live_peak, at // 2)
 
 
 def _lifetimes(graph: OpGraph) -> list[tuple[int, int, int, int, bool]]:
@@ -90,3 +186,117 @@ def replicated_peak(graph: OpGraph) -> float:
         delta[first] += b
         delta[stop + 1] -= b
     return float(np.max(np.cumsum(delta)[:n]))
+
+
+def _fused(graph: OpGraph, specs: Any) -> set[int]:
+    """The values XLA fuses into their readers (never stored)."""
+    dec, nodes = specs, graph.nodes
+    fused = set()
+    for node in nodes:
+        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
+            continue
+        vid = node.outputs[0]
+        uses = graph.consumers[vid]
+        if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
+            continue
+        spec = dec[node.id].out_specs[0]
+        if all(nodes[u.consumer].kind is NodeKind.OP and
+               nodes[u.consumer].name in _FUSING_READERS and
+               dec[u.consumer].in_specs[u.in_index] == spec for u in uses):
+            fused.add(vid)
+    return fused
+
+
+def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """Where each value dies, in half steps (node ``p`` makes its results at ``2p``): at its
+    last reader, or, read by a fused operator, where that operator's readers are (the fused
+    loop reads it there).  And where it dies for an output allocation: at ``2p - 1`` when
+    that reader is an elementwise loop, which may write its result over the operand (XLA's
+    buffer assigner does not count an operand that dies where its reader's result is made,
+    and that the reader can share, as interfering; its heap packing shares none)."""
+    end: dict[int, int] = {}
+    soft: dict[int, int] = {}
+    nodes = graph.nodes
+    for node in reversed(nodes):
+        for vid in node.outputs:
+            e = f = 2 * node.id
+            for u in graph.consumers[vid]:
+                reader = nodes[u.consumer]
+                if reader.outputs and all(o in fused for o in reader.outputs):
+                    e = max(e, *(end.get(o, 2 * u.consumer) for o in reader.outputs))
+                    f = max(f, *(soft.get(o, 2 * u.consumer) for o in reader.outputs))
+                else:
+                    e = max(e, 2 * u.consumer)
+                    f = max(f, 2 * u.consumer - (reader.kind is NodeKind.OP and
+                                                 reader.name in FUSIBLE))
+            end[vid], soft[vid] = e, f
+    return end, soft
+
+
+def _live_peak(buffers: list[tuple[float, int, int, bool, int]], n: int
+               ) -> tuple[float, int]:
+    delta = np.zeros(n + 1)
+    for b, first, stop, _, _ in buffers:
+        delta[first] += b
+        delta[stop + 1] -= b
+    live = np.cumsum(delta)[:n]
+    at = int(np.argmax(live))
+    return float(live[at]), at
+
+
+def _assign(buffers: list[tuple[float, int, int, bool, int]]) -> tuple[float, float]:
+    """XLA's buffer assignment in outline: ``(output allocations, heap)`` bytes."""
+    order = sorted(range(len(buffers)),
+                   key=lambda i: (-buffers[i][0], not buffers[i][3], buffers[i][1]))
+    # output allocations, smallest first: size, and the (first, last) spans they hold, sorted
+    sizes: list[float] = []
+    held: list[list[tuple[int, int]]] = []
+    heap: list[tuple[float, int, int]] = []
+    for i in order:
+        size, first, stop, out, shared = buffers[i]
+        if size <= 0:
+            continue
+        if out:
+            k = bisect.bisect_left(sizes, size)
+            sizes.insert(k, size)
+            held.insert(k, [(first, stop)])
+            continue
+        for k in range(bisect.bisect_left(sizes, size), len(sizes)):
+            spans = held[k]
+            j = bisect.bisect_left(spans, (first, shared))
+            if (j == 0 or spans[j - 1][1] < first) and (j == len(spans) or spans[j][0] > shared):
+                spans.insert(j, (first, shared))
+                break
+        else:
+            heap.append((size, first, stop))
+    return float(sum(sizes)), _best_fit(heap)
+
+
+def _best_fit(heap: list[tuple[float, int, int]]) -> float:
+    """The height of ``heap``'s buffers packed best fit: the smaller of two orders (largest
+    first; longest-lived first), as XLA's ``ChooseBestHeapAlgorithm``."""
+    if not heap:
+        return 0.0
+    size = np.array([b[0] for b in heap])
+    first = np.array([b[1] for b in heap])
+    stop = np.array([b[2] for b in heap])
+    best = np.inf
+    for order in (np.lexsort((first, -size)), np.lexsort((first, -size, first - stop))):
+        offset = np.full(len(heap), np.nan)  # nan: not placed yet
+        top = 0.0
+        for i in order:
+            near = ~np.isnan(offset) & (first <= stop[i]) & (stop >= first[i])
+            lo = offset[near]
+            hi = lo + size[near]
+            at = 0.0
+            if len(lo):
+                k = np.argsort(lo)
+                lo, hi = lo[k], np.maximum.accumulate(hi[k])
+                starts = np.concatenate(([0.0], hi))  # each gap starts after all below it
+                gaps = np.concatenate((lo, [np.inf])) - starts
+                fit = np.nonzero(gaps >= size[i])[0]
+                at = float(starts[fit[np.argmin(gaps[fit])]])
+            offset[i] = at
+            top = max(top, at + size[i])
+        best = min(best, top)
+    return float(best)
