@@ -275,7 +275,7 @@ def test_gpt_gradients_equal_unpipelined_with_nan_bubbles():
     assert len(diffs) == len(jax.tree.leaves(ref_grad)) and max(diffs) < 1e-5, max(diffs)
 
 
-def test_gpt_train_step_on_dp_tp_pp_with_model_train():
+def test_gpt_train_step_on_dp_tp_pp_with_model_train(tmp_path):
     gpt, cfg, _, _, _ = _gpt(2)  # one block per stage: the smallest GPT that pipelines
     import optax
     from flax import nnx
@@ -291,12 +291,24 @@ def test_gpt_train_step_on_dp_tp_pp_with_model_train():
                                       pipeline_stages=2, micro_batches=2,
                                       pipeline_config={"pipeline_scheduler": "1f1b"}):
         model = jaxpar.Model(gpt.GPT(cfg, nnx.Rngs(0)), loss, optax.adam(1e-2))
-        model.train(1, data)
+        model.train(1, data, callbacks=[jaxpar.ModelCheckpoint("run", str(tmp_path))])
         colls = jaxpar.inspect.collectives(model.lower(*data[0]).compile())
     reference = jaxpar.Model(gpt.GPT(cfg, nnx.Rngs(0)), loss, optax.adam(1e-2))
     reference.train(1, data)
     np.testing.assert_allclose(model.history, reference.history, rtol=1e-5)
     assert model.history[1] < model.history[0]
+    # Model.train stacks the blocks' weights (and Adam's moments) by stage: no weight moves
+    # over pp (per layer: an all-gather over pp of each stacked weight every step), and the
+    # network, its optimizer state and the checkpoint are per layer again afterwards
+    assert not [r for r in colls if r.axes and "pp" in r.axes
+                and r.kind in ("all-gather", "all-to-all")], colls.table()
+    want = jax.tree.map(np.shape, reference.params)
+    assert jax.tree.map(np.shape, model.params) == want
+    assert jax.tree.map(np.shape, model._opt_state) == jax.tree.map(np.shape,
+                                                                      reference._opt_state)
+    saved = jaxpar.load_checkpoint(tmp_path / "run")["params"]
+    assert sorted(map(np.shape, jax.tree.leaves(saved))) == \
+        sorted(map(np.shape, jax.tree.leaves(reference.params)))
     # the loop's permutes rotate micro-batches over pp; outside the loop XLA may also permute
     # devices to move a value between two layouts of the same mesh (one call each)
     rotations = [r for r in colls.of("collective-permute") if r.count > 1]

@@ -182,3 +182,13 @@ def stack(layout: StackLayout, params: Any, shardings: Sequence[Any] | None = No
             a = jax.device_put(a, shardings[i])
         stacked.append(a)
     return StackedParams(stacked, [leaves[i] for i in layout.others], layout)
+
+
+def unstacked(tree: Any) -> Any:
+    """``tree`` with every :class:`jaxpar.StackedParams` in it back as the per-layer
+    parameters (what the network, a checkpoint and the next ``train`` call take)."""
+    def is_stacked(x: Any) -> bool:
+        return isinstance(x, StackedParams)
+
+    return jax.tree.map(lambda x: x.unstack() if is_stacked(x) else x, tree,
+                        is_leaf=is_stacked)

@@ -43,7 +43,8 @@ class CallbackParams:
     cur_epoch_num: int = 0  # 1-based
     cur_step_num: int = 0  # 1-based, counted over the whole run
     net_outputs: Any = None  # the step's loss
-    train_state: Any = None  # (params, rest, opt_state, loss scale state)
+    train_state: Any = None  # (params, rest, opt_state, loss scale state); stacked by stage
+    # when the context pipelines (jaxpar.StackedParams: .unstack() gives the per-layer ones)
     model: Any = None
 
 
@@ -280,7 +281,9 @@ class ModelCheckpoint(Callback):
 
         if p.cur_step_num in self.saved_steps:
             return
-        params, rest, opt_state, _ = p.train_state
+        from jaxpar._src.pipeline.stacked import unstacked
+
+        params, rest, opt_state, _ = unstacked(p.train_state)  # per layer, as the network
         state = {"params": params, "rest": rest, "opt_state": opt_state}
         strategy = strategy_with_sums(state, where="jaxpar.ModelCheckpoint")
         self._open().save(p.cur_step_num, args=store.save_items(state, strategy, None, None),

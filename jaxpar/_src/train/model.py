@@ -41,9 +41,10 @@ from jaxpar._src.amp.precision import LEVELS, Policy, mixed_precision_fn
 from jaxpar._src.context import ParallelMode, current_context
 from jaxpar._src.data.dataset import Dataset
 from jaxpar._src.data.placement import to_global
-from jaxpar._src.errors import ContextError, DatasetError
+from jaxpar._src.errors import ContextError, DatasetError, PlanError
 from jaxpar._src.execution import pynative
 from jaxpar._src.optimizer_parallel import OptimizerParallel, shard_gradients
+from jaxpar._src.pipeline.stacked import StackedParams, stack, unstacked
 from jaxpar._src.train import metrics as metric_lib
 from jaxpar._src.train.callbacks import Callback, CallbackParams, ProgressBar, RunContext
 from jaxpar._src.train.network import Network
@@ -161,6 +162,7 @@ class Model:
                 for batch in batches:
                     # the user's dataset, whose column names the error shows
                     _check_label(batch, train_dataset, "jaxpar.Model.train")
+                    state = self._stacked(state, batch)
                     for c in callbacks:
                         c.on_train_step_begin(run)
                     step = self._train_step(state, batch)
@@ -180,7 +182,7 @@ class Model:
             for c in callbacks:
                 c.on_train_end(run)
         finally:
-            params, rest, self._opt_state, ls = state
+            params, rest, self._opt_state, ls = unstacked(state)
             self._ls_state = ls if self.loss_scale_manager is not None else None
             self._net.write_back(params, rest)
 
@@ -201,7 +203,7 @@ class Model:
             else None
         reducer = DistributedGradReducer(state[0]) if mode is ParallelMode.DATA_PARALLEL \
             and zero is None else None
-        pipe = _pipeline_loss(apply, loss_fn, len(batch), state[1], ctx)
+        pipe = self._pipeline(len(batch), state[1])
 
         def train_step(state: Any, *batch: Any) -> Any:
             import optax
@@ -250,9 +252,46 @@ class Model:
             self.optimizer.init(params)
         ls = self._ls_state if self._ls_state is not None else (
             self.loss_scale_manager.init() if self.loss_scale_manager is not None else ())
-        state = (params, rest, opt_state, ls)
         placed = self._place(tuple(batch))
+        state = self._stacked((params, rest, opt_state, ls), placed)
         return self._train_step(state, placed).lower(state, *placed)
+
+    def _pipeline(self, n_batch: int, rest: Any) -> Any:
+        """The loss as a :class:`jaxpar.PipelineCell` when the context pipelines, else
+        ``None`` (one cell per context and batch arity, so its stacking is planned once)."""
+        ctx = current_context()
+        key = ("pipeline", ctx.parallel_mode, ctx.search_mode, ctx.mesh, n_batch,
+               ctx.pipeline_stages, ctx.pipeline_config, ctx.micro_batches)
+        if key not in self._steps:
+            self._steps[key] = _pipeline_loss(self._apply, self.loss_fn, n_batch, rest, ctx)
+        return self._steps[key]
+
+    def _stacked(self, state: Any, batch: tuple) -> Any:
+        """``state`` with the pipeline's layer weights, and the optimizer state's copies of
+        them (Adam's moments), stacked by stage and split over ``"pp"``
+        (:meth:`jaxpar.PipelineCell.stack`): each stage then holds and updates its own layers
+        and no weight moves over ``"pp"``.  Unchanged when the context does not pipeline, when
+        the state is stacked already, or when no layer weight is a parameter leaf as it is."""
+        params, rest, opt_state, ls = state
+        pipe = self._pipeline(len(batch), rest)
+        if pipe is None or isinstance(params, StackedParams):
+            return state
+        try:
+            stacked = pipe.stack(params, rest, *batch)
+        except PlanError:  # every layer's weights derived in the network: nothing to stack
+            return state
+        treedef: Any = jax.tree.structure(params)
+        shapes = [np.shape(p) for p in jax.tree.leaves(params)]
+        shardings = [a.sharding for a in stacked.stacked]
+
+        def like_params(x: Any) -> bool:  # a copy of the parameters (a moment), not a count
+            return bool(treedef == jax.tree.structure(x)) and \
+                [np.shape(p) for p in jax.tree.leaves(x)] == shapes
+
+        opt_state = jax.tree.map(
+            lambda x: stack(stacked.layout, x, shardings) if like_params(x) else x,
+            opt_state, is_leaf=like_params)
+        return stacked, rest, opt_state, ls
 
     # -- evaluation ---------------------------------------------------------------------------
     def eval(self, valid_dataset: Iterable, callbacks: Sequence[Callback] = (),
