@@ -167,14 +167,16 @@ def test_auto_choosing_level_1_reduce_scatters_and_a_reloaded_plan_too(tmp_path,
     assert dataclasses.replace(cached, notes=plan.notes) == plan
 
 
-def test_a_strategy_file_of_a_level_1_plan_loads_and_lowers_alike(tmp_path):
-    """``strategy_ckpt_load_file`` of a level-1 plan: its contractions' layouts are read back
-    as their rules give them (before the reduce-scatter), and the plan made again lowers to
-    the same collectives."""
+@pytest.mark.parametrize("level", [1, 3])
+def test_a_strategy_file_of_a_zero_plan_loads_and_lowers_alike(tmp_path, level):
+    """``strategy_ckpt_load_file`` of a level-1 (and level-3) plan: its contractions' layouts
+    are read back as their rules give them (before the reduce-scatter), and the plan made
+    again lowers to the same collectives (level 3: its parameters, loaded split, gathered
+    again for the backward pass), which it predicts."""
     step, args = _problem()
     mesh = jaxpar.make_mesh((8,), ("dp",))
     path = str(tmp_path / "strategy.json")
-    zero = _zero(1, parallel_optimizer_threshold=0)
+    zero = _zero(level, parallel_optimizer_threshold=0)
     with jaxpar.auto_parallel_context(**zero, strategy_ckpt_save_file=path):
         f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel")
         plan = f.plan(*args)
@@ -184,4 +186,5 @@ def test_a_strategy_file_of_a_level_1_plan_loads_and_lowers_alike(tmp_path):
         loaded = g.plan(*args)
         assert _compiled(g, args) == compiled
     assert loaded.scatters == plan.scatters
+    assert _predicted(loaded) == compiled
     assert [d.out_specs for d in loaded.decisions] == [d.out_specs for d in plan.decisions]
