@@ -95,6 +95,22 @@ def test_predicted_collectives_are_the_compiled_reduce_scatters(level):
             assert set(scatter.axes) <= set(d.out_specs[0].axes), d
 
 
+def test_a_second_gather_waits_for_the_backward_pass_where_xla_combines_all_gathers():
+    """On a GPU profile (XLA:GPU combines independent all-gathers, up to 30 MiB) level 3's
+    forward gathers of ``w1``, ``b1`` and ``w2`` combine into one, and the backward pass's
+    second gather of ``w2``, tied by its optimization barrier to the cotangent
+    (``regather.py``), stays apart: it cannot run before the forward pass (ZeRO-3's order)."""
+    step, args = _problem()
+    with jaxpar.auto_parallel_context(**_zero(3, parallel_optimizer_threshold=0)):
+        plan = jaxpar.parallelize(step, mesh=jaxpar.make_mesh((8,), ("dp",)),
+                                  parallel_mode="data_parallel",
+                                  hardware=jaxpar.HardwareProfile("h100")).plan(*args)
+    gathers = sorted((c.members, c.nbytes) for c in plan.predicted_collectives()
+                     if c.kind == "all-gather")
+    w2 = args[0]["w2"].size * 4
+    assert gathers == [(1, w2), (3, sum(x.size * 4 for x in jax.tree.leaves(args[0])))]
+
+
 def test_data_parallel_prices_the_all_reduce_and_level_1_half_of_it():
     """The same step with the optimizer off: the gradients all-reduced once (2Ψ·(n-1)/n on
     the wire); level 1 sends half of that in reduce-scatters (and Ψ·(n-1)/n in all-gathers)."""
