@@ -6,10 +6,12 @@ The GPT train step of ``examples/gpt.py`` (Adam) in ``data_parallel`` mode on 8 
 the compiled program: per-device argument, temporary and total bytes
 (``compiled.memory_analysis()``), the optimizer state's per-device bytes (from the input
 shardings), jaxpar's prediction of the total (``plan.memory_bytes``,
-``jaxpar/_src/program_memory.py``) and its ratio to the compiled total, and the collectives of the
+``jaxpar/_src/program_memory.py``) and its ratio to the compiled total, the collectives of the
 partitioned HLO by kind (count and payload bytes per device) with their ring wire bytes in units
-of Ψ (the parameters' bytes).  The last row is ``jax.jit`` given level 3's input and output
-shardings (XLA's own propagation of the same FSDP layout).  Known answer (ZeRO, Rajbhandari et
+of Ψ (the parameters' bytes), and the plan's predicted collectives (``plan.collectives``: wire
+Ψ, and whether every one, kind, axes, bytes and count, is the compiled program's).  The last
+row is ``jax.jit`` given level 3's input and output shardings (XLA's own propagation of the
+same FSDP layout).  Known answer (ZeRO, Rajbhandari et
 al. 2020, section 7): levels 1-2 move 2Ψ per device and step, as data parallel; level 3 3Ψ.
 At levels 1-3 jaxpar's lowering reduce-scatters the gradients, the embedding's scatter-add
 gradient too (``jaxpar/_src/scatter.py``; XLA:CPU would keep an all-reduce and a slice, 3Ψ):
@@ -62,6 +64,31 @@ def _shard_bytes(tree, shardings) -> int:
                for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True))
 
 
+def _multiset(items) -> dict:
+    """{(kind, axes, payload bytes per device): count} of a program's collectives."""
+    out: dict = {}
+    for kind, axes, nbytes, count in items:
+        key = (kind, tuple(sorted(axes or ())), float(nbytes))
+        out[key] = out.get(key, 0) + count
+    return out
+
+
+def _predicted(plan, colls) -> dict:
+    """The plan's predicted collectives per kind, and how they differ from ``colls``."""
+    predicted = plan.predicted_collectives()
+    by_kind: dict = {}
+    for c in predicted:
+        row = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0.0})
+        row["count"] += c.count
+        row["bytes"] += c.nbytes * c.count
+    ours = _multiset((c.kind, c.axes, c.nbytes, c.count) for c in predicted)
+    theirs = _multiset((r.kind, r.axes, r.nbytes, r.count) for r in colls)
+    differ = sorted({k[0] for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)})
+    return {"predicted_collectives": by_kind,
+            "predicted_wire_bytes": sum(c.wire_bytes for c in predicted),
+            "predicted_differs": differ}
+
+
 def _row(label: str, compiled, args, psi: int, result, reference, plan=None) -> dict:
     mem = compiled.memory_analysis()
     colls = jaxpar.inspect.collectives(compiled)
@@ -69,7 +96,7 @@ def _row(label: str, compiled, args, psi: int, result, reference, plan=None) -> 
     diff = 0.0 if reference is None else max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(reference), strict=True))
-    return {
+    return ({} if plan is None else _predicted(plan, colls)) | {
         "level": label,
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
@@ -135,23 +162,29 @@ def table(rows: list[dict]) -> list[str]:
              "(ring) in Ψ; 2Ψ in ZeRO's units is 1.75Ψ on 8 devices.  ZeRO's paper: 2Ψ for "
              "levels 1-2 (reduce-scatter, all-gather), 3Ψ for level 3.  Level 3 gathers each "
              "parameter for the forward pass and again for the backward pass.  XLA also keeps "
-             "temporaries in the output buffers: compare totals.",
+             "temporaries in the output buffers: compare totals.  Predicted: the plan's "
+             "collectives (`plan.collectives`), their wire bytes in Ψ, and `=` where every one "
+             "(kind, axes, bytes, count) is the compiled program's, else the kinds that differ.",
              "",
              "| level | params MiB | opt state MiB | arguments MiB | temp MiB | total MiB | "
              "predicted MiB | predicted / total | " + " | ".join(KINDS)
-             + " | wire Ψ | max abs diff | compile s |",
-             "|---|" + "---:|" * (10 + len(KINDS))]
+             + " | wire Ψ | predicted wire Ψ | predicted vs compiled | max abs diff | "
+             "compile s |",
+             "|---|" + "---:|" * (12 + len(KINDS))]
     for r in rows:
         colls = " | ".join(
             f"{r['collectives'][k]['count']} / {r['collectives'][k]['bytes'] / mib:.2f}"
             if k in r["collectives"] else "-" for k in KINDS)
         pred = "- | -" if r["predicted_bytes"] is None else \
             f"{r['predicted_bytes'] / mib:.2f} | {r['predicted_bytes'] / r['total_bytes']:.3f}"
+        plan_colls = "- | -" if "predicted_differs" not in r else \
+            f"{r['predicted_wire_bytes'] / r['psi_bytes']:.2f} | " \
+            f"{', '.join(r['predicted_differs']) or '='}"
         lines.append(
             f"| {r['level']} | {r['params_bytes'] / mib:.2f} | {r['opt_state_bytes'] / mib:.2f} "
             f"| {r['argument_bytes'] / mib:.2f} | {r['temp_bytes'] / mib:.2f} | "
             f"{r['total_bytes'] / mib:.2f} | {pred} | {colls} | {r['wire_psi']:.2f} | "
-            f"{r['max_abs_diff_vs_level0']:.1e} | {r['compile_s']:.1f} |")
+            f"{plan_colls} | {r['max_abs_diff_vs_level0']:.1e} | {r['compile_s']:.1f} |")
     return lines
 
 

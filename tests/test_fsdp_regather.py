@@ -22,6 +22,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import api, lower
+from tests.test_zero_plan import _predicted, _table
 from tests.util import assert_tree_close
 
 V, D, F, B, T = 64, 32, 128, 16, 8
@@ -121,6 +122,8 @@ def test_each_parameter_gathered_for_forward_and_again_for_backward(monkeypatch,
     assert colls.count("reduce-scatter") == 3, colls.table()
     assert colls.total_bytes("reduce-scatter") == psi, colls.table()
     assert colls.total_bytes("all-reduce") == 4, colls.table()
+    # the plan predicts every one of them, the second gathers included
+    assert _predicted(plan) == _table((r.kind, r.axes, r.nbytes, r.count) for r in colls)
     assert_tree_close(result, single, rtol=1e-5, atol=1e-6)
 
 
@@ -180,10 +183,15 @@ def test_scanned_layers_gather_each_slice_in_the_forward_and_the_backward_loop()
                                parallel_mode="data_parallel")
         got = f(*args)
         colls = jaxpar.inspect.collectives(f.lower(*args))
-        assert f.plan(*args).input_layouts()["params.w"] == jax.sharding.PartitionSpec("dp")
+        plan = f.plan(*args)
+        assert plan.input_layouts()["params.w"] == jax.sharding.PartitionSpec("dp")
     # the layer's slice f32[d, d], gathered in two loop bodies, once per iteration each
     in_loops = [c for c in colls if c.kind == "all-gather" and c.shapes == (f"f32[{d},{d}]",)
                 and c.count == layers]
     assert len({c.computation for c in in_loops}) == 2, colls.table()
     assert not [c for c in colls if c.kind == "all-gather" and f"f32[{layers}," in c.shapes[0]]
+    # the plan predicts every collective: ``out`` gathered again for the backward pass, the
+    # stack's slices gathered in each loop (the backward loop reads the stack through the
+    # forward loop's layout change: no second one of the whole stack)
+    assert _predicted(plan) == _table((r.kind, r.axes, r.nbytes, r.count) for r in colls)
     assert_tree_close(got, jax.jit(step)(*args), rtol=1e-5, atol=1e-5)

@@ -6,9 +6,11 @@ collectives into one, and on GPUs its scheduler runs collectives beside compute.
 prices a whole plan the way XLA will run it.
 
 1. **Raw collectives.**  Every operator's partial-sum all-reduces and every layout change on an
-   edge (one per value and target layout: XLA's CSE merges identical ones), in the order of
-   XLA's instruction post order (a depth-first walk from the program's results, operands in
-   order), with the collectives each depends on (through the dataflow).
+   edge (one per value and target layout: XLA's CSE merges identical ones; at ZeRO level 3 a
+   split parameter's backward readers get one of their own, made after an optimization barrier
+   so CSE cannot merge it: :mod:`jaxpar._src.regather`), in the order of XLA's instruction
+   post order (a depth-first walk from the program's results, operands in order), with the
+   collectives each depends on (through the dataflow, and a second gather's barrier).
 2. **Combining.**  XLA's ``AllReduceCombiner``, ``AllGatherCombiner`` and
    ``ReduceScatterCombiner`` (``collective_combiner_utils.h``: ``CombineInstructionsByKey``)
    walk the post order: the first collective left opens a group; later ones with the same key
@@ -63,7 +65,8 @@ from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.rules import OpStrategy
 from jaxpar._src.spec import Spec
 
-if TYPE_CHECKING:  # scatter.py reads plans, which hold what this module prices
+if TYPE_CHECKING:  # scatter.py and regather.py read plans, which hold what this module prices
+    from jaxpar._src.regather import Regather
     from jaxpar._src.scatter import Scatter
 
 
@@ -79,6 +82,9 @@ class RawCollective:
     weight: float  # executions per call (loop trips)
     region: int | None  # the loop body it runs in
     deferred: bool  # off the critical path (a gradient on its way to the optimizer)
+    # nodes whose results it waits for besides ``after``: a level-3 second gather's barrier
+    # ties it to its first backward reader's other operands (regather.py)
+    waits: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,19 +204,24 @@ def deferred_bucket(graph: OpGraph, model: CostModel, deferred: frozenset[int],
 
 def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: CostModel,
                     deferred: frozenset[int], edge_weight,
-                    scatters: Mapping[int, Scatter] | None = None) -> list[RawCollective]:
+                    scatters: Mapping[int, Scatter] | None = None,
+                    regather: Regather | None = None) -> list[RawCollective]:
     """Every collective of the plan before combining, in no particular order.  ``scatters``
-    (ZeRO levels 1-2, ``scatter.py``): contractions lowered by reduce-scatter, whose
-    ``strategies`` hold the layouts as lowered (the result split from the contraction on)."""
+    (ZeRO levels 1-3, ``scatter.py``): contractions lowered by reduce-scatter, whose
+    ``strategies`` hold the layouts as lowered (the result split from the contraction on);
+    ``regather`` (ZeRO level 3, ``regather.py``): the split parameters whose backward readers
+    share a layout change of their own, apart from the forward readers'."""
     scatters = scatters or {}
     out: list[RawCollective] = []
-    changes: dict[tuple[int, Spec], list[int]] = {}  # (value, target layout) -> readers
+    # (value, target layout, a level-3 second gather) -> readers, as the lowering keys them
+    changes: dict[tuple[int, Spec, bool], list[int]] = {}
     for node in graph.nodes:
         if node.kind == "control":
             continue
         strat = strategies[node.id]
         for _, operand, _, dst in layout_changes(graph, strategies, node.id):
-            changes.setdefault((operand, dst), []).append(node.id)
+            again = regather is not None and regather.applies(node.id, operand)
+            changes.setdefault((operand, dst, again), []).append(node.id)
         scatter = scatters.get(node.id)
         own: tuple[Collective, ...]
         if scatter is not None and scatter.partial:  # a term of a sum, added locally
@@ -225,16 +236,18 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
         for c in own:
             out.append(RawCollective(c, node.id, node.id, None, (), node.weight, node.region,
                                      node.id in deferred))
-    for (vid, dst), readers in changes.items():
+    for (vid, dst, again), readers in changes.items():
         value = graph.values[vid]
         producer, first = value.producer, readers[0]
         src = strategies[producer].out_specs[value.index]
         w = max(edge_weight(producer, r) for r in readers)
         region = graph.nodes[first].region if graph.nodes[first].weight <= \
             graph.nodes[producer].weight else graph.nodes[producer].region
+        waits = tuple(dict.fromkeys(graph.values[o].producer for o in regather.ties(
+            graph, first, vid))) if again and regather is not None else ()
         for c in model.redistribution(src, dst, value.shape, value.dtype):
             out.append(RawCollective(c, first, producer, vid, tuple(readers), w, region,
-                                     False))
+                                     False, waits))
     return out
 
 
@@ -401,6 +414,8 @@ def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:
             incoming = after[p]
             for k in on_edge.get((operand, node.id), ()):
                 deps[k] = after[p]
+                for w in raw[k].waits:  # a second gather's barrier (its reader's operands)
+                    deps[k] |= after[w]
                 incoming |= 1 << k
             acc |= incoming
         result = acc
@@ -413,14 +428,15 @@ def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:
 
 def price_plan(graph: OpGraph, strategies: Mapping[int, OpStrategy], model: CostModel,
                flops: Mapping[int, float], deferred: frozenset[int], edge_weight,
-               scatters: Mapping[int, Scatter] | None = None) -> ProgramCost:
+               scatters: Mapping[int, Scatter] | None = None,
+               regather: Regather | None = None) -> ProgramCost:
     """The whole plan as XLA runs it: combined collectives and the step time.
 
-    ``flops``: per node, per-device FLOPs per call (loop trips included); ``scatters``: see
-    :func:`raw_collectives`.
+    ``flops``: per node, per-device FLOPs per call (loop trips included); ``scatters`` and
+    ``regather``: see :func:`raw_collectives`.
     """
     raw, groups = combine(graph, raw_collectives(graph, strategies, model, deferred,
-                                                 edge_weight, scatters), model)
+                                                 edge_weight, scatters, regather), model)
     issued = []
     for members in groups:
         first = raw[members[0]].collective
@@ -462,6 +478,7 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
             for reader in r.readers:
                 edge_groups.setdefault((r.value, reader), set()).add(g)
             preds[g].add(r.after)
+            preds[g].update(r.waits)
     for node in graph.nodes:
         for operand in node.inputs:
             if not isinstance(operand, int):
@@ -471,9 +488,10 @@ def _schedule(graph: OpGraph, raw: list[RawCollective], issued: list[IssuedColle
                 continue
             via = edge_groups.get((operand, node.id))
             preds[node.id] |= via if via else ({p} | own_groups.get(p, set()))
-    for k, r in enumerate(raw):  # a layout change reads the all-reduced value
+    for k, r in enumerate(raw):  # a layout change reads the all-reduced value (and waits)
         if r.value is not None:
-            preds[n_nodes + group_of[k]] |= own_groups.get(r.after, set())
+            for p in (r.after, *r.waits):
+                preds[n_nodes + group_of[k]] |= own_groups.get(p, set())
     succs: list[list[int]] = [[] for _ in preds]
     indegree = [0] * len(preds)
     for u, ps in enumerate(preds):

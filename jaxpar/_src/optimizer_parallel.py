@@ -280,8 +280,10 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
     """``pins`` with the state arrays ``opt`` splits pinned split, argument and result alike
     (a user's layout of such an array is kept and dimension 0 split further over the free
     data-parallel axes).  The data-parallel axes are those dimension 0 of the pinned batch is
-    split over, else every mesh axis."""
+    split over, else every mesh axis.  The space learns the inputs pinned so
+    (``space.regathered``): at level 3 its prices gather them again for the backward pass."""
     from jaxpar._src.pins import pin
+    from jaxpar._src.regather import split_inputs
     from jaxpar._src.state import state_ties, threaded_state
 
     graph = program.graph
@@ -334,6 +336,7 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
                 out.append(new)
             else:
                 out[j] = new
+    space.regathered = split_inputs(graph, {p.node: p.origin for p in out})
     return out
 
 

@@ -22,6 +22,7 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.plan_files import input_mismatch, structure_mismatch
+from jaxpar._src.regather import split_inputs
 from jaxpar._src.rules import OpStrategy, strategy_for_specs
 from jaxpar._src.scatter import Scatter, unscattered
 from jaxpar._src.search import (
@@ -123,7 +124,9 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     hw = model.hw
     assert hw.flops_per_s is not None and hw.memory_per_device is not None, \
         "HardwareProfile fills fields from its preset"
-    priced = space.price(assignment.strategies)  # as lowered
+    # as lowered: level 3's second gathers of the inputs the lowering finds split (regather.py)
+    priced = space.price(assignment.strategies,
+                         regathered=split_inputs(graph, assignment.origins))
     stats: dict[str, Any] = {
         "hardware": hw.preset, "flops_per_s": float(hw.flops_per_s),
         # the search's layouts (memory.py prices the plan's peak from them)

@@ -33,6 +33,11 @@ jaxpar does the same when it lowers the plan (both :mod:`lower`'s evaluator and
   hoist the second all-gather ahead of the backward computation that needs it.  XLA:CPU's
   default scheduler orders for concurrency, not memory; programs that gather again compile
   with its memory-optimised scheduler (:func:`compiler_options`), as recomputation does.
+* **Priced.**  The plan's predicted collectives and step time count the second gathers
+  (``SearchSpace.price`` finds them with :meth:`Regather.find`, ``combine.py`` keys them apart
+  from the forward readers' layout changes and makes them wait for the barrier's operands), so
+  they equal the compiled program's, and the searches and ``"optimizer_level": "auto"``
+  weigh level 3's third Ψ of communication.
 
 >>> import jax, jax.numpy as jnp, jaxpar
 >>> def step(w, x):
@@ -50,12 +55,15 @@ jaxpar does the same when it lowers the plan (both :mod:`lower`'s evaluator and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import ShardingPlan
 
 ORIGIN = "parallel_optimizer"  # the pins optimizer_parallel.optimizer_pins makes
+# ... and what a strategy file (``strategy_ckpt_load_file``) of such a plan reads back
+LOADED = f"loaded ({ORIGIN})"
 # Operators that only view a parameter (the backward pass reads ``w.T``, a reshaped or a
 # low-precision copy made in the forward pass): their result is gathered again like the
 # parameter itself.
@@ -69,7 +77,7 @@ class Regather:
 
     Attributes:
       values: value ids of the split parameters some backward reader reads in another layout.
-      backward: ids of the nodes the backward pass made (``Node.backward``).
+      backward: ids of the operators the backward pass made (``Node.backward``).
     """
 
     values: frozenset[int] = frozenset()
@@ -78,8 +86,8 @@ class Regather:
     @classmethod
     def of(cls, graph: OpGraph, plan: ShardingPlan) -> Regather:
         """The parameters of ``plan`` (level 3's pins) that its backward pass reads whole."""
-        return cls.find(graph, plan.decisions, frozenset(
-            nid for nid in graph.inputs if plan.decisions[nid].origin == ORIGIN))
+        return cls.find(graph, plan.decisions,
+                        split_inputs(graph, {d.node: d.origin for d in plan.decisions}))
 
     @classmethod
     def find(cls, graph: OpGraph, specs: Any, split_inputs: frozenset[int]) -> Regather:
@@ -87,7 +95,11 @@ class Regather:
         ``specs[node id]`` (a plan's decisions, or a search's strategies)."""
         if not split_inputs:
             return cls()
-        backward = frozenset(n.id for n in graph.nodes if n.backward)
+        # the backward pass's operators: the lowering gives their reads a gather of their
+        # own; a loop's enter node (the backward scan's slices of a stacked parameter) reads
+        # through the one layout change the forward loop's read makes too (XLA merges them)
+        backward = frozenset(n.id for n in graph.nodes
+                             if n.backward and n.kind is NodeKind.OP)
         if not backward:
             return cls()
         split = {graph.nodes[nid].outputs[0] for nid in split_inputs}
@@ -100,8 +112,7 @@ class Regather:
         for vid in split:
             v = graph.values[vid]
             own = specs[v.producer].out_specs[v.index]
-            if any(use.consumer in backward and  # a loop's own node: its enter nodes read
-                   graph.nodes[use.consumer].kind is not NodeKind.CONTROL and
+            if any(use.consumer in backward and
                    specs[use.consumer].in_specs[use.in_index] != own
                    for use in graph.consumers[vid]):
                 values.add(vid)
@@ -132,6 +143,13 @@ class Regather:
 NONE = Regather()  # nothing to gather again
 
 
+def split_inputs(graph: OpGraph, origins: Mapping[int, str]) -> frozenset[int]:
+    """The graph inputs the parallel optimizer pinned split (``origins``: per node, where its
+    layout came from; a plan's decisions, a search's assignment), as made or as loaded from a
+    strategy file: what :meth:`Regather.find` may gather again."""
+    return frozenset(nid for nid in graph.inputs if origins.get(nid) in (ORIGIN, LOADED))
+
+
 def regather_note(graph: OpGraph, plan: ShardingPlan, again: Regather | None = None
                   ) -> ShardingPlan:
     """``plan`` with a note on the parameters gathered again for the backward pass, if any
@@ -143,8 +161,8 @@ def regather_note(graph: OpGraph, plan: ShardingPlan, again: Regather | None = N
     note = (f"parallel optimizer level 3: {len(again.values)} split parameters or views of "
             f"one ({whole:.2f} MiB whole) are all-gathered again for the backward pass "
             f"(ZeRO-3), not kept from the forward pass; memory_bytes counts each gathered "
-            f"copy around its forward and its backward uses, the predicted collectives one "
-            f"gather each")
+            f"copy around its forward and its backward uses, the predicted collectives and "
+            f"step time both gathers")
     return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 

@@ -15,6 +15,7 @@ from jaxpar._src.combine import (
 )
 from jaxpar._src.cost import Cost, CostModel
 from jaxpar._src.graph import Node, NodeKind, OpGraph
+from jaxpar._src.regather import Regather
 from jaxpar._src.rules import (
     FactorRule,
     OpCategory,
@@ -56,6 +57,9 @@ class SearchSpace:
         # The parallel optimizer's ZeRO level (0: off): at levels 1-2 a plan is priced as the
         # lowering runs it, its split gradients reduce-scattered (scatter_plan.py).
         self.optimizer_level = optimizer_level
+        # The inputs ZeRO level 3 splits (the parallel optimizer's pins, which set it): a plan
+        # is priced with their second gathers for the backward pass (regather.py).
+        self.regathered: frozenset[int] = frozenset()
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
@@ -145,6 +149,7 @@ class SearchSpace:
     def alone(self) -> SearchSpace:
         """This space with every gradient all-reduce priced on its own (no combining)."""
         other = SearchSpace(self.graph, self.model, self.optimizer_level)
+        other.regathered = self.regathered
         other._rules = self._rules
         other._views = self._views
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
@@ -190,14 +195,18 @@ class SearchSpace:
             return strategies, {}
         return lowered(self.graph, strategies, self.model.mesh)
 
-    def price(self, strategies: Mapping[int, OpStrategy], as_lowered: bool = True
-              ) -> ProgramCost:
+    def price(self, strategies: Mapping[int, OpStrategy], as_lowered: bool = True,
+              regathered: frozenset[int] | None = None) -> ProgramCost:
         """A full assignment priced as XLA runs it: combined collectives, overlap, step time;
-        at ZeRO levels 1-2 its split gradients reduce-scattered (:meth:`lowered`;
-        ``as_lowered=False``: all-reduced, as the searches price each node)."""
+        at ZeRO levels 1-3 its split gradients reduce-scattered (:meth:`lowered`), at level 3
+        the split parameters ``regathered`` (default :attr:`regathered`) gathered again for
+        the backward pass (``regather.py``); ``as_lowered=False``: neither, the gradients
+        all-reduced, as the searches price each node."""
         nodes = [n.id for n in self.graph.searchable()]
         as_lowered = as_lowered and self.optimizer_level in LEVELS  # one price when alike
-        key = (tuple(strategies[n] for n in nodes), as_lowered)
+        split = (self.regathered if regathered is None else regathered) if as_lowered \
+            else frozenset()
+        key = (tuple(strategies[n] for n in nodes), as_lowered, split)
         found = self._priced.get(key)
         if found is None:
             if len(self._priced) > 8:  # a few plans are compared; keep the memory small
@@ -205,10 +214,12 @@ class SearchSpace:
             scatters: dict[int, Scatter] = {}
             if as_lowered:
                 strategies, scatters = self.lowered(strategies)
+            # the backward readers as lowered (a reduce-scattered gradient's layouts)
+            again = Regather.find(self.graph, strategies, split) if split else None
             flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
                                                    self.deferred, self.edge_weight,
-                                                   scatters)
+                                                   scatters, again)
         return found
 
     def total_time(self, strategies: Mapping[int, OpStrategy]) -> float:
