@@ -15,7 +15,7 @@ chooses between its Tree and Ring algorithms for all-reduce (and uses Ring for t
 * all-to-all of ``S`` bytes: ``n - 1`` pairwise steps, ``(n - 1) / n * S`` bytes.
 
 Wire bytes (what :mod:`jaxpar.inspect` reports for the compiled program) are always the ring's.
-At ZeRO levels 1-2 a weight gradient's contraction is lowered as a local contraction and a
+At ZeRO levels 1-3 a weight gradient's contraction is lowered as a local contraction and a
 reduce-scatter (``scatter.py``): :meth:`CostModel.scatter_collectives` prices it.
 Which collectives XLA merges into one, and which can run beside compute, is a property of the
 whole program, not of one operator: ``combine.py`` prices that; here a collective is priced on
@@ -172,7 +172,7 @@ class CostModel:
     def scatter_collectives(self, axes: Sequence[str], summed: Sequence[str], out_spec: Spec,
                             out_shape: tuple[int, ...], out_dtype: Any
                             ) -> tuple[Collective, ...]:
-        """A contraction lowered by reduce-scatter (ZeRO levels 1-2, ``scatter.py``): its
+        """A contraction lowered by reduce-scatter (ZeRO levels 1-3, ``scatter.py``): its
         local result, of ``out_shape`` laid out ``out_spec`` once scattered, reduce-scattered
         over ``axes`` (``(n - 1) / n`` of its bytes sent: half an all-reduce's), then the
         scattered result all-reduced over ``summed``, the other axes its contraction is split

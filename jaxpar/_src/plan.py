@@ -170,7 +170,7 @@ class ShardingPlan:
     collectives: tuple[PredictedCollective, ...] = ()
     compute_s: float | None = None
     step_s: float | None = None
-    # The parallel optimizer's ZeRO level the plan was made for (0: off), and at levels 1-2
+    # The parallel optimizer's ZeRO level the plan was made for (0: off), and at levels 1-3
     # the contractions the program makes a split gradient with by reduce-scatter
     # (``scatter.py``: node -> how), found once when planning; ``decisions`` then hold the
     # layouts the program runs (the gradient split from its contraction on) and

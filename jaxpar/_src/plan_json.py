@@ -9,7 +9,7 @@ from jaxpar._src.errors import PlanError
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
 
-FORMAT = "jaxpar.plan/3"  # 3: the optimizer level and the reduce-scatters (ZeRO levels 1-2)
+FORMAT = "jaxpar.plan/3"  # 3: the optimizer level and the reduce-scatters (ZeRO levels 1-3)
 READS = (FORMAT, "jaxpar.plan/2")  # a /2 plan was made with the parallel optimizer off or
 # lowered its gradients by all-reduce: it reads as level 0 (no reduce-scatters)
 _PLAN_SCALARS = ("parallel_mode", "search_mode", "hardware", "flops_per_s", "memory_bytes",

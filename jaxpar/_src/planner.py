@@ -101,14 +101,14 @@ def make_plan(graph: OpGraph, assignment: Assignment, space: SearchSpace, *, dev
     """Assembles a plan from a search's assignment, pricing every node and edge.
 
     ``details`` (per node: cost terms and runner-up) and ``report`` (a search report) come
-    from the automatic searches.  At the parallel optimizer's levels 1-2
+    from the automatic searches.  At the parallel optimizer's levels 1-3
     (``space.optimizer_level``) the split gradients are made by reduce-scatter, found here once
     (``scatter_plan.py``): the plan holds the layouts and collectives the lowering makes, and
     what it needs to make them (``plan.scatters``).
     """
     model: CostModel = space.model
     optimizer_level = space.optimizer_level
-    # the layouts as lowered: at levels 1-2 the gradient split from its contraction on
+    # the layouts as lowered: at levels 1-3 the gradient split from its contraction on
     strategies, scatters = space.lowered(assignment.strategies)
     details = details or {}
     decisions = _decisions(graph, strategies, assignment.origins, space, details, scatters)

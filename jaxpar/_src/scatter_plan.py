@@ -1,6 +1,6 @@
-"""ZeRO levels 1-2 in the plan: an assignment as the lowering runs it, reduce-scatters and all.
+"""ZeRO in the plan: an assignment as the lowering runs it, reduce-scatters and all.
 
-At levels 1-2 the lowering makes each split weight gradient by reduce-scatter where the
+At levels 1-3 the lowering makes each split weight gradient by reduce-scatter where the
 backward pass contracts over the batch (:mod:`jaxpar._src.scatter`).  For the plan to say what
 the compiled program runs, the contractions are found when a plan is priced, not when it is
 lowered: :func:`lowered` runs :func:`~jaxpar._src.scatter.find_scatters` on a search's
@@ -41,7 +41,7 @@ LEVELS = (1, 2, 3)  # the parallel optimizer levels whose gradients are reduce-s
 
 def lowered(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape
             ) -> tuple[Mapping[int, OpStrategy], dict[int, Scatter]]:
-    """``strategies`` as the lowering of a level 1-2 plan runs them, and the contractions it
+    """``strategies`` as the lowering of a level 1-3 plan runs them, and the contractions it
     lowers by reduce-scatter (``strategies`` itself and ``{}`` when there are none)."""
     draft = ShardingPlan(mesh, (), "", "", tuple(_layouts(graph, strategies)), graph.inputs,
                          graph.outputs)
