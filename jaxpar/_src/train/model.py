@@ -41,7 +41,7 @@ from jaxpar._src.amp.precision import LEVELS, Policy, mixed_precision_fn
 from jaxpar._src.context import ParallelMode, current_context
 from jaxpar._src.data.dataset import Dataset
 from jaxpar._src.data.placement import to_global
-from jaxpar._src.errors import ContextError, DatasetError, PlanError
+from jaxpar._src.errors import ContextError, DatasetError, MeshError, PlanError
 from jaxpar._src.execution import pynative
 from jaxpar._src.optimizer_parallel import OptimizerParallel, shard_gradients
 from jaxpar._src.pipeline.stacked import StackedParams, stack, unstacked
@@ -278,8 +278,8 @@ class Model:
             return state
         try:
             stacked = pipe.stack(params, rest, *batch)
-        except PlanError:  # every layer's weights derived in the network: nothing to stack
-            return state
+        except (PlanError, MeshError):  # nothing to stack (every layer's weights derived in
+            return state  # the network), or no mesh outside the step: the step says why
         treedef: Any = jax.tree.structure(params)
         shapes = [np.shape(p) for p in jax.tree.leaves(params)]
         shardings = [a.sharding for a in stacked.stacked]
