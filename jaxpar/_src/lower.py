@@ -94,12 +94,14 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
     - made by an elementwise operator whose operands all have the result's shape and layout
       (scalar literals aside) with no layout change on the way: the forward image of already
       constrained operands (scalar operands have none).  Inside an elementwise run and at
-      its end, whatever the readers (a contraction, a reduction, a reshape reads it in that
-      layout);
+      its end, read by at most one operator that is not such (a contraction, a reduction, a
+      reshape reads it in that layout): a value read by two contractions keeps its
+      constraint, without which XLA scheduled them the other way round (the same
+      instructions, 64 KiB more live on ``tests/test_recompute.py``'s step);
     - read only as results of the program, in the layout ``jit``'s out_shardings give them.
 
     Checkpoint bodies keep every constraint.  ``tests/test_lower.py`` checks that the compiled
-    collectives are those of the fully constrained program."""
+    program (collectives, instructions, memory) is the fully constrained one's."""
     def keeps_layout(node: Node) -> bool:
         if node.kind is not NodeKind.OP or node.name not in _ELEMENTWISE or \
                 len(node.outputs) != 1 or node.remat is not None:
@@ -131,7 +133,9 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         if node.kind is not NodeKind.OP or node.remat is not None:
             continue
         for vid, spec in zip(node.outputs, plan.decisions[node.id].out_specs, strict=True):
-            if node.id in inner and read_as_made(vid, spec, _READERS):
+            if node.id in inner and read_as_made(vid, spec, _READERS) and \
+                    sum(1 for u in graph.consumers[vid] if u.consumer not in inner and
+                        graph.nodes[u.consumer].kind is NodeKind.OP) <= 1:
                 loose.add(vid)
             elif read_as_made(vid, spec, _RESULTS):
                 loose.add(vid)
