@@ -190,19 +190,10 @@ def replicated_peak(graph: OpGraph) -> float:
 
 def _fused(graph: OpGraph, specs: Any) -> set[int]:
     """The values XLA fuses into their readers (never stored)."""
-    dec, nodes = specs, graph.nodes
     fused = set()
-    for node in nodes:
-        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
-            continue
-        vid = node.outputs[0]
-        uses = graph.consumers[vid]
-        if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
-            continue
-        spec = dec[node.id].out_specs[0]
-        if all(nodes[u.consumer].kind is NodeKind.OP and
-               nodes[u.consumer].name in _FUSING_READERS and
-               dec[u.consumer].in_specs[u.in_index] == spec for u in uses):
+    for nid, vid, uses in _structure(graph).fusible:
+        spec = specs[nid].out_specs[0]
+        if all(specs[c].in_specs[i] == spec for c, i in uses):
             fused.add(vid)
     return fused
 
@@ -213,24 +204,84 @@ def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, in
     loop reads it there).  And where it dies for an output allocation: at ``2p - 1`` when
     that reader is an elementwise loop, which may write its result over the operand (XLA's
     buffer assigner does not count an operand that dies where its reader's result is made,
-    and that the reader can share, as interfering; its heap packing shares none)."""
+    and that the reader can share, as interfering; its heap packing shares none).
+
+    Depends on the plan only through ``fused``: the plans a search compares often fuse the
+    same values, and the answer for the last few sets is remembered (issue 14)."""
+    structure = _structure(graph)
+    key = frozenset(fused)
+    found = structure.ends.get(key)
+    if found is not None:
+        return found
     end: dict[int, int] = {}
     soft: dict[int, int] = {}
+    for vid, at, readers in structure.readers:
+        e = f = at
+        for at_reader, outs, fusible in readers:
+            if outs and all(o in fused for o in outs):
+                e = max(e, *(end.get(o, at_reader) for o in outs))
+                f = max(f, *(soft.get(o, at_reader) for o in outs))
+            else:
+                e = max(e, at_reader)
+                f = max(f, at_reader - fusible)
+        end[vid], soft[vid] = e, f
+    if len(structure.ends) >= _ENDS_KEPT:
+        structure.ends.pop(next(iter(structure.ends)))
+    structure.ends[key] = (end, soft)
+    return end, soft
+
+
+_ENDS_KEPT = 4  # the plans one search compares: its own, the lean one, data parallel, ...
+
+
+@dataclasses.dataclass
+class _Structure:
+    """What :func:`_fused` and :func:`_ends` read of a graph, whatever the plan: found once
+    per graph, as every plan compared is measured on the same graph (issue 14).
+
+    Attributes:
+      fusible: ``(node, its value, (reader, operand index) per use)`` of the operators that
+        fuse into their readers when every reader takes the value in its producer's layout
+        (the readers fuse operands, the operator is not too expensive to compute twice).
+      readers: per value, in reverse graph order: ``(value, 2 * producer, readers)``, each
+        reader ``(2 * reader, its outputs, 1 if an elementwise loop else 0)``.
+      ends: :func:`_ends`'s answers, by fused set.
+    """
+
+    fusible: list[tuple[int, int, tuple[tuple[int, int], ...]]]
+    readers: list[tuple[int, int, list[tuple[int, tuple[int, ...], int]]]]
+    ends: dict[frozenset[int], tuple[dict[int, int], dict[int, int]]]
+
+
+def _structure(graph: OpGraph) -> _Structure:
+    found = _STRUCTURES.get(graph)
+    if found is not None:
+        return found
     nodes = graph.nodes
+    fusible = []
+    for node in nodes:
+        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
+            continue
+        vid = node.outputs[0]
+        uses = graph.consumers[vid]
+        if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
+            continue
+        if all(nodes[u.consumer].kind is NodeKind.OP and
+               nodes[u.consumer].name in _FUSING_READERS for u in uses):
+            fusible.append((node.id, vid, tuple((u.consumer, u.in_index) for u in uses)))
+    readers = []
     for node in reversed(nodes):
         for vid in node.outputs:
-            e = f = 2 * node.id
-            for u in graph.consumers[vid]:
-                reader = nodes[u.consumer]
-                if reader.outputs and all(o in fused for o in reader.outputs):
-                    e = max(e, *(end.get(o, 2 * u.consumer) for o in reader.outputs))
-                    f = max(f, *(soft.get(o, 2 * u.consumer) for o in reader.outputs))
-                else:
-                    e = max(e, 2 * u.consumer)
-                    f = max(f, 2 * u.consumer - (reader.kind is NodeKind.OP and
-                                                 reader.name in FUSIBLE))
-            end[vid], soft[vid] = e, f
-    return end, soft
+            readers.append((vid, 2 * node.id, [
+                (2 * u.consumer, tuple(nodes[u.consumer].outputs),
+                 int(nodes[u.consumer].kind is NodeKind.OP and
+                     nodes[u.consumer].name in FUSIBLE))
+                for u in graph.consumers[vid]]))
+    found = _STRUCTURES[graph] = _Structure(fusible, readers, {})
+    return found
+
+
+_STRUCTURES: weakref.WeakKeyDictionary[OpGraph, _Structure] = weakref.WeakKeyDictionary()
 
 
 def _live_peak(buffers: list[tuple[float, int, int, bool, int]], n: int
