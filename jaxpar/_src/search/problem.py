@@ -461,19 +461,33 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
     graph = space.graph
     first: dict[tuple, int] = {}
     colour = []
+    # Candidate lists by number, equal lists one number: hashing a list hashes every strategy
+    # in it, and repeated layers share a few lists (looked up by identity: ``cands`` holds
+    # them, so their ids stay theirs while this runs).
+    by_value: dict[tuple, int] = {}
+    by_id: dict[int, int | None] = {}
+
+    def listed(nid: int) -> int | None:
+        options = cands.get(nid)
+        found = by_id.get(id(options), -1)
+        if found == -1:
+            found = by_id[id(options)] = None if options is None else \
+                by_value.setdefault(options, len(by_value))
+        return found
+
     for node in graph.nodes:
         nid = node.id
         shapes = tuple(graph.values[v].shape for v in node.outputs)
         if node.kind is NodeKind.OP and node.source != "?":
             where = call_sites(node.eqn) if node.eqn is not None else ()
             key = ("op", node.name, where or node.source, space.rule(nid), node.weight,
-                   cands.get(nid))
+                   listed(nid))
         elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
-            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, cands.get(nid))
+            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, listed(nid))
         elif node.kind is NodeKind.OP:
-            key = ("op", node.name, space.rule(nid), node.weight, cands.get(nid))
+            key = ("op", node.name, space.rule(nid), node.weight, listed(nid))
         else:
-            key = (node.kind, node.name, shapes, node.weight, cands.get(nid))
+            key = (node.kind, node.name, shapes, node.weight, listed(nid))
         colour.append(first.setdefault(key, len(first)))
     around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
     for producer, j, consumer, i in graph.edges():
