@@ -121,7 +121,7 @@ def lowered(graph: OpGraph, specs: Mapping[int, Any] | Sequence[Any], mesh: Mesh
         else:
             arguments, buffers = _buffers(graph, structure, specs, mesh, again)
             live_peak, at = _live_peak(buffers, 2 * len(graph.nodes) + 1)
-            if len(structure.recent) >= _ENDS_KEPT:
+            if len(structure.recent) >= RECENT_PLANS:
                 structure.recent.pop(0)
             structure.recent.append((dict(specs), mesh, again,
                                      (arguments, buffers, live_peak, at)))
@@ -221,15 +221,8 @@ def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, in
     loop reads it there).  And where it dies for an output allocation: at ``2p - 1`` when
     that reader is an elementwise loop, which may write its result over the operand (XLA's
     buffer assigner does not count an operand that dies where its reader's result is made,
-    and that the reader can share, as interfering; its heap packing shares none).
-
-    Depends on the plan only through ``fused``: the plans a search compares often fuse the
-    same values, and the answer for the last few sets is remembered (issue 14)."""
+    and that the reader can share, as interfering; its heap packing shares none)."""
     structure = _structure(graph)
-    key = frozenset(fused)
-    found = structure.ends.get(key)
-    if found is not None:
-        return found
     end: dict[int, int] = {}
     soft: dict[int, int] = {}
     for vid, at, readers in structure.readers:
@@ -242,13 +235,12 @@ def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, in
                 e = max(e, at_reader)
                 f = max(f, at_reader - fusible)
         end[vid], soft[vid] = e, f
-    if len(structure.ends) >= _ENDS_KEPT:
-        structure.ends.pop(next(iter(structure.ends)))
-    structure.ends[key] = (end, soft)
     return end, soft
 
 
-_ENDS_KEPT = 4  # the plans one search compares: its own, the lean one, data parallel, ...
+# The plans one search compares (its own, the memory-lean one, data parallel), one of which
+# the plan is then made of: their buffers are remembered (a graph holds them while it lives).
+RECENT_PLANS = 3
 
 
 @dataclasses.dataclass
@@ -267,7 +259,6 @@ class _Structure:
         ``(reader, operand index, value, producer, result index, an output, the reader's
         results)``.
       nbytes: per value, its bytes.
-      ends: :func:`_ends`'s answers, by fused set.
       recent: the last plans :func:`lowered` measured (``(plan, mesh, again, (arguments,
         buffers, live peak, where))``): the plan a search chose is measured again when
         the plan is made.
@@ -278,7 +269,6 @@ class _Structure:
     values: list[tuple[int, int, int, int, bool]]
     reads: list[tuple[int, int, int, int, int, bool, tuple[int, ...]]]
     nbytes: list[int]
-    ends: dict[frozenset[int], tuple[dict[int, int], dict[int, int]]]
     recent: list[tuple[dict, MeshShape, Any, tuple]]
 
 
@@ -313,7 +303,7 @@ def _structure(graph: OpGraph) -> _Structure:
              for node in nodes if node.kind is not NodeKind.CONTROL
              for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
     found = _STRUCTURES[graph] = _Structure(fusible, readers, values, reads,
-                                            [v.nbytes for v in graph.values], {}, [])
+                                            [v.nbytes for v in graph.values], [])
     return found
 
 
