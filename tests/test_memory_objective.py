@@ -173,3 +173,35 @@ def test_memory_breaks_a_tie_on_time(monkeypatch):
     assert plan.memory_bytes < plain.memory_bytes
     assert compiled <= plain_compiled, (compiled, plain_compiled)
     assert_tree_close(f(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_memory_estimates_remembered_per_plan_are_the_ones_measured_afresh():
+    """The memory model remembers what it found of the last plans it measured on a graph
+    (issue 14: the search's plan is measured again when the plan is made); plans measured in
+    turn, and measured again, each get their own estimate, the one a cold measure gives."""
+    from jaxpar._src.cost import CostModel
+    from jaxpar._src.search import memory
+    from jaxpar._src.search.common import SearchSpace
+    from jaxpar._src.search.problem import build_problem
+    from jaxpar._src.spec import MeshShape
+    from jaxpar._src.trace import trace
+    from tests import models
+
+    params, x = models.init_block(jax.random.key(0))
+    graph = trace(jax.grad(models.block_loss), (params, x)).graph
+    mesh = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+    problem = build_problem(SearchSpace(graph, CostModel(mesh, jaxpar.HardwareProfile())), [])
+    plans = [problem.expand({r: k % len(problem.cands[r]) for r in problem.reps})
+             for k in range(6)]  # more than it remembers
+    assert len({tuple(p.items()) for p in plans}) == 6
+
+    def cold(plan, packed):
+        memory._STRUCTURES.pop(graph, None)
+        return memory.lowered(graph, plan, mesh, packed=packed)
+
+    expected = [(cold(p, True), cold(p, False)) for p in plans]
+    assert len({e[0] for e in expected}) > 1  # the plans differ in memory
+    for _ in range(2):
+        for p, (packed, live) in zip(plans + plans[::-1], expected + expected[::-1], strict=True):
+            assert memory.lowered(graph, dict(p), mesh, packed=True) == packed
+            assert memory.lowered(graph, p, mesh, packed=False) == live

@@ -176,6 +176,38 @@ def test_a_search_again_with_all_reduces_alone_shares_what_no_price_changes(monk
     assert pinned.groups is not first.groups and len(calls) == 2
 
 
+def test_a_build_on_the_alone_space_prices_only_its_nodes_and_is_a_fresh_build(monkeypatch):
+    """The build on ``space.alone()`` reuses the first build's candidates, followers and edge
+    matrices, which no node price changes, and prices its nodes anew: the problem is exactly
+    the one a fresh space with gradient all-reduces priced alone builds (issue 14)."""
+    from jaxpar._src.search import problem as problem_mod
+
+    graph = _stack_graph(3)
+    first = _problem(graph)
+    space = first.space
+    assert space.bucket_bytes > 0  # the deferred all-reduces are priced combined
+    edge_matrices = []
+    matrix = problem_mod._edge_matrix
+    monkeypatch.setattr(problem_mod, "_edge_matrix",
+                        lambda *a: edge_matrices.append(1) or matrix(*a))
+    again = build_problem(space.alone(), [])
+    assert not edge_matrices  # nothing but the nodes was priced again
+    fresh = SearchSpace(graph, space.model)
+    fresh._bucket = 0.0
+    plain = build_problem(fresh, [])
+    assert edge_matrices  # (the fresh build priced its edges)
+    assert again.reps == plain.reps and again.cands == plain.cands
+    assert again.follow.keys() == plain.follow.keys()
+    assert all((again.follow[f][1] == plain.follow[f][1]).all() for f in plain.follow)
+    assert all((again.cost[r] == plain.cost[r]).all() and (again.mem[r] == plain.mem[r]).all()
+               for r in plain.reps)
+    assert again.edges.keys() == plain.edges.keys()
+    assert all((again.edges[k] == plain.edges[k]).all() for k in plain.edges)
+    assert again.priced == plain.priced
+    # and the bucket did change some node's price
+    assert any((again.cost[r] != first.cost[r]).any() for r in first.reps)
+
+
 def _improve_every_time(problem, choice, sweeps):
     """The local search looking at every node and pair in every sweep (the reference)."""
     from jaxpar._src.search.polish import better, edge_rows

@@ -170,7 +170,6 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
             problem, choice, optimal, notes = other
             strategies, objective = alternative, alternative_s
             notes = notes + ["searched again with gradient all-reduces priced alone: cheaper"]
-    details = _details(problem, choice)
     pinned = {p.node for p in request.pins}
     split = _split(request)
 
@@ -197,15 +196,15 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
         # a tie on time keeps the search's proof: the plan is as fast as the proven optimum
         optimal = optimal if optimal and chosen.step_s <= options[0].step_s * (1 + 1e-9) \
             else False
-        details = _details(problem, lean) if chosen.name == "lean" else {}
     if why:
         notes.append(why)
+    renamed = False
     if request.baseline_pins is not None:  # equal costs: batch on dp-like axes, weights mp-like
         batch = {p.node for p in request.baseline_pins
                  if p.origin == "data_parallel" and not p.strategy.out_specs[0].is_replicated}
         named = prefer_names(space, strategies, batch, pinned)
         if named != strategies:
-            strategies, details = named, {}
+            strategies, renamed = named, True
             notes.append("interchangeable mesh axes exchanged to follow their names")
     strategies = split_inputs(space, strategies, pinned)
     origins = {n: problem.origins.get(n, search_mode) for n in strategies}
@@ -215,6 +214,10 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
         for f, (rep, _) in problem.follow.items():
             if f not in problem.origins:
                 origins[f] = f"{search_mode} (follows #{rep})"
+    # Per node cost terms and runner-up, of the plan used when the search made it (found only
+    # then: issue 14, data parallel or a renamed plan has none)
+    details = {} if renamed or used_baseline else \
+        _details(problem, lean if chosen.name == "lean" else choice)
     report = SearchReport(search_mode, objective, time.perf_counter() - t0, len(problem.reps),
                           est.peak, budget, optimal, baseline_s, used_baseline, tuple(notes))
     return SearchResult(Assignment(strategies, origins), search_mode, report, details)

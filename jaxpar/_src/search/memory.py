@@ -108,58 +108,75 @@ def lowered(graph: OpGraph, specs: Mapping[int, Any] | Sequence[Any], mesh: Mesh
     operand)``: the reader's copy of the operand is one of its own (level 3's backward
     gathers); ``temporaries``: ``(bytes, node)`` held while a node runs; ``packed=False``:
     the live peak alone (``outputs`` and ``heap`` zero)."""
-    nodes, values = graph.nodes, graph.values
+    structure = _structure(graph)
+    if temporaries or not isinstance(specs, Mapping):
+        arguments, buffers = _buffers(graph, structure, specs, mesh, again)
+        buffers.extend((b, 2 * nid, 2 * nid, False, 2 * nid) for b, nid in temporaries)
+        live_peak, at = _live_peak(buffers, 2 * len(graph.nodes) + 1)
+    else:  # a plan compared before (the search's, then the plan made of it): its buffers
+        for plan, mesh_of, again_of, found in structure.recent:
+            if mesh_of == mesh and again_of is again and plan == specs:
+                arguments, buffers, live_peak, at = found
+                break
+        else:
+            arguments, buffers = _buffers(graph, structure, specs, mesh, again)
+            live_peak, at = _live_peak(buffers, 2 * len(graph.nodes) + 1)
+            if len(structure.recent) >= RECENT_PLANS:
+                structure.recent.pop(0)
+            structure.recent.append((dict(specs), mesh, again,
+                                     (arguments, buffers, live_peak, at)))
+    outs, heap = _assign(buffers) if packed else (0.0, 0.0)
+    return LoweredMemory(arguments, outs, heap, arguments + live_peak, at // 2)
+
+
+def _buffers(graph: OpGraph, structure: _Structure, specs: Any, mesh: MeshShape,
+             again: Callable[[int, int], bool] | None
+             ) -> tuple[float, list[tuple[float, int, int, bool, int]]]:
+    """:func:`lowered`'s arguments (bytes) and buffers (``(bytes, first, last, an output, last
+    for an output allocation)``, in half steps), temporaries left out."""
     fractions: dict[Spec, float] = {}
 
-    def own(vid: int) -> Spec:
-        v = values[vid]
-        return specs[v.producer].out_specs[v.index]
-
-    def held(vid: int, spec: Spec) -> float:  # bytes per device
+    def held(nbytes: int, spec: Spec) -> float:  # bytes per device
         f = fractions.get(spec)
         if f is None:
             f = fractions[spec] = spec.shard_fraction(mesh)
-        return values[vid].nbytes * f
+        return nbytes * f
 
+    nodes = graph.nodes
     fused = _fused(graph, specs)
     end, soft = _ends(graph, fused)
     last = 2 * len(nodes)  # outputs live to here (positions in half steps: see _ends)
     outputs = set()
     for o in graph.outputs:
         x = nodes[o].inputs[0]
-        if isinstance(x, int) and specs[o].in_specs[0] == own(x):
-            outputs.add(x)
+        if isinstance(x, int):
+            v = graph.values[x]
+            if specs[o].in_specs[0] == specs[v.producer].out_specs[v.index]:
+                outputs.add(x)
     arguments = 0.0
-    # (bytes, first, last, an output, last for an output allocation)
     buffers: list[tuple[float, int, int, bool, int]] = []
-    for v in values:
-        if nodes[v.producer].kind in (NodeKind.INPUT, NodeKind.CONST):
-            arguments += held(v.id, own(v.id))
-        elif v.id not in fused:
-            out = v.id in outputs
-            buffers.append((held(v.id, own(v.id)), 2 * v.producer,
-                            last if out else end[v.id], out, last if out else soft[v.id]))
+    for vid, producer, index, nbytes, argument in structure.values:
+        if argument:
+            arguments += held(nbytes, specs[producer].out_specs[index])
+        elif vid not in fused:
+            out = vid in outputs
+            buffers.append((held(nbytes, specs[producer].out_specs[index]), 2 * producer,
+                            last if out else end[vid], out, last if out else soft[vid]))
     # layout changes: one copy per value and layout (and per again(), its readers' own)
     spans: dict[tuple[int, Spec, bool], list[int]] = {}
-    for node in nodes:
-        if node.kind is NodeKind.CONTROL:
+    for nid, i, o, producer, index, output, outs in structure.reads:
+        spec = specs[nid].in_specs[i]
+        if spec == specs[producer].out_specs[index]:
             continue
-        for operand, spec in zip(node.inputs, specs[node.id].in_specs, strict=True):
-            if isinstance(operand, Const) or spec == own(operand):
-                continue
-            o = operand
-            at = 2 * node.id - 1  # made just before its reader
-            stop = last if node.kind is NodeKind.OUTPUT else max(
-                [2 * node.id] + [end[x] for x in node.outputs if x in fused])
-            key = (o, spec, again is not None and again(node.id, o))
-            span = spans.setdefault(key, [at, stop])
-            span[0], span[1] = min(span[0], at), max(span[1], stop)
+        at = 2 * nid - 1  # made just before its reader
+        stop = last if output else max([2 * nid] + [end[x] for x in outs if x in fused])
+        key = (o, spec, again is not None and again(nid, o))
+        span = spans.setdefault(key, [at, stop])
+        span[0], span[1] = min(span[0], at), max(span[1], stop)
+    nbytes_of = structure.nbytes
     for (o, spec, _), (first, stop) in spans.items():
-        buffers.append((held(o, spec), first, stop, stop == last, stop))
-    buffers.extend((b, 2 * nid, 2 * nid, False, 2 * nid) for b, nid in temporaries)
-    live_peak, at = _live_peak(buffers, last + 1)
-    outs, heap = _assign(buffers) if packed else (0.0, 0.0)
-    return LoweredMemory(arguments, outs, heap, arguments + live_peak, at // 2)
+        buffers.append((held(nbytes_of[o], spec), first, stop, stop == last, stop))
+    return arguments, buffers
 
 
 def _lifetimes(graph: OpGraph) -> list[tuple[int, int, int, int, bool]]:
@@ -190,19 +207,10 @@ def replicated_peak(graph: OpGraph) -> float:
 
 def _fused(graph: OpGraph, specs: Any) -> set[int]:
     """The values XLA fuses into their readers (never stored)."""
-    dec, nodes = specs, graph.nodes
     fused = set()
-    for node in nodes:
-        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
-            continue
-        vid = node.outputs[0]
-        uses = graph.consumers[vid]
-        if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
-            continue
-        spec = dec[node.id].out_specs[0]
-        if all(nodes[u.consumer].kind is NodeKind.OP and
-               nodes[u.consumer].name in _FUSING_READERS and
-               dec[u.consumer].in_specs[u.in_index] == spec for u in uses):
+    for nid, vid, uses in _structure(graph).fusible:
+        spec = specs[nid].out_specs[0]
+        if all(specs[c].in_specs[i] == spec for c, i in uses):
             fused.add(vid)
     return fused
 
@@ -214,23 +222,92 @@ def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, in
     that reader is an elementwise loop, which may write its result over the operand (XLA's
     buffer assigner does not count an operand that dies where its reader's result is made,
     and that the reader can share, as interfering; its heap packing shares none)."""
+    structure = _structure(graph)
     end: dict[int, int] = {}
     soft: dict[int, int] = {}
+    for vid, at, readers in structure.readers:
+        e = f = at
+        for at_reader, outs, fusible in readers:
+            if outs and all(o in fused for o in outs):
+                e = max(e, *(end.get(o, at_reader) for o in outs))
+                f = max(f, *(soft.get(o, at_reader) for o in outs))
+            else:
+                e = max(e, at_reader)
+                f = max(f, at_reader - fusible)
+        end[vid], soft[vid] = e, f
+    return end, soft
+
+
+# The plans one search compares (its own, the memory-lean one, data parallel), one of which
+# the plan is then made of: their buffers are remembered (a graph holds them while it lives).
+RECENT_PLANS = 3
+
+
+@dataclasses.dataclass
+class _Structure:
+    """What :func:`_fused` and :func:`_ends` read of a graph, whatever the plan: found once
+    per graph, as every plan compared is measured on the same graph (issue 14).
+
+    Attributes:
+      fusible: ``(node, its value, (reader, operand index) per use)`` of the operators that
+        fuse into their readers when every reader takes the value in its producer's layout
+        (the readers fuse operands, the operator is not too expensive to compute twice).
+      readers: per value, in reverse graph order: ``(value, 2 * producer, readers)``, each
+        reader ``(2 * reader, its outputs, 1 if an elementwise loop else 0)``.
+      values: per value ``(value, producer, its result index, bytes, an argument)``.
+      reads: per operand read (control nodes and constants left out), in graph order:
+        ``(reader, operand index, value, producer, result index, an output, the reader's
+        results)``.
+      nbytes: per value, its bytes.
+      recent: the last plans :func:`lowered` measured (``(plan, mesh, again, (arguments,
+        buffers, live peak, where))``): the plan a search chose is measured again when
+        the plan is made.
+    """
+
+    fusible: list[tuple[int, int, tuple[tuple[int, int], ...]]]
+    readers: list[tuple[int, int, list[tuple[int, tuple[int, ...], int]]]]
+    values: list[tuple[int, int, int, int, bool]]
+    reads: list[tuple[int, int, int, int, int, bool, tuple[int, ...]]]
+    nbytes: list[int]
+    recent: list[tuple[dict, MeshShape, Any, tuple]]
+
+
+def _structure(graph: OpGraph) -> _Structure:
+    found = _STRUCTURES.get(graph)
+    if found is not None:
+        return found
     nodes = graph.nodes
+    fusible = []
+    for node in nodes:
+        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
+            continue
+        vid = node.outputs[0]
+        uses = graph.consumers[vid]
+        if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
+            continue
+        if all(nodes[u.consumer].kind is NodeKind.OP and
+               nodes[u.consumer].name in _FUSING_READERS for u in uses):
+            fusible.append((node.id, vid, tuple((u.consumer, u.in_index) for u in uses)))
+    readers = []
     for node in reversed(nodes):
         for vid in node.outputs:
-            e = f = 2 * node.id
-            for u in graph.consumers[vid]:
-                reader = nodes[u.consumer]
-                if reader.outputs and all(o in fused for o in reader.outputs):
-                    e = max(e, *(end.get(o, 2 * u.consumer) for o in reader.outputs))
-                    f = max(f, *(soft.get(o, 2 * u.consumer) for o in reader.outputs))
-                else:
-                    e = max(e, 2 * u.consumer)
-                    f = max(f, 2 * u.consumer - (reader.kind is NodeKind.OP and
-                                                 reader.name in FUSIBLE))
-            end[vid], soft[vid] = e, f
-    return end, soft
+            readers.append((vid, 2 * node.id, [
+                (2 * u.consumer, tuple(nodes[u.consumer].outputs),
+                 int(nodes[u.consumer].kind is NodeKind.OP and
+                     nodes[u.consumer].name in FUSIBLE))
+                for u in graph.consumers[vid]]))
+    values = [(v.id, v.producer, v.index, v.nbytes,
+               nodes[v.producer].kind in (NodeKind.INPUT, NodeKind.CONST)) for v in graph.values]
+    reads = [(node.id, i, o, graph.values[o].producer, graph.values[o].index,
+              node.kind is NodeKind.OUTPUT, tuple(node.outputs))
+             for node in nodes if node.kind is not NodeKind.CONTROL
+             for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
+    found = _STRUCTURES[graph] = _Structure(fusible, readers, values, reads,
+                                            [v.nbytes for v in graph.values], [])
+    return found
+
+
+_STRUCTURES: weakref.WeakKeyDictionary[OpGraph, _Structure] = weakref.WeakKeyDictionary()
 
 
 def _live_peak(buffers: list[tuple[float, int, int, bool, int]], n: int

@@ -127,7 +127,88 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     their price depends on (rule, candidates, shapes, dtypes, loop weight, gradient bucket) are
     priced once and share the result, so a stack of identical layers is priced like one layer
     (``Problem.priced`` counts what was priced); ``share=False`` prices every node and edge on
-    its own, for comparison."""
+    its own, for comparison.
+
+    What no node price changes (candidates, followers, edges: :class:`_Layout`) is found once
+    per space and pins and shared with :meth:`SearchSpace.alone`'s space: a search again with
+    gradient all-reduces priced alone prices its nodes anew and nothing else (issue 14)."""
+    unpriced_key = (tuple(pins), tuple(ties), fully_use_devices)
+    layout = space.unpriced.get(("layout", unpriced_key, share))
+    if layout is None:
+        layout = space.unpriced[("layout", unpriced_key, share)] = _layout(
+            space, pins, ties, fully_use_devices, share, unpriced_key)
+    reps, cands = layout.reps, layout.cands
+
+    # -- node costs ---------------------------------------------------------------------------
+    hw = space.model.hw
+    cost = {r: np.zeros(len(cands[r])) for r in reps}
+    mem = {r: np.zeros(len(cands[r])) for r in reps}
+    vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for r in reps:
+        for nid, alike in layout.members[r]:
+            signature = (alike, space.bucket_of(nid)) if share else (nid,)
+            found = vectors.get(signature)
+            if found is None:  # repeated layers: price each kind of node once
+                options = cands[nid]
+                index = layout.follow[nid][1] if nid in layout.follow else None
+                strategies = options if index is None else [options[int(k)] for k in index]
+                times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
+                held = np.array([_result_bytes(space, nid, s) for s in strategies])
+                found = vectors[signature] = (times, held)
+            cost[r] += found[0]
+            mem[r] += found[1]
+        # Among equally fast plans prefer the one holding fewer bytes (a batch argument split
+        # rather than replicated and sliced): a picosecond per GiB breaks the tie.
+        cost[r] += TIE_BREAK_S_PER_BYTE * mem[r]
+    # layout changes inside a coarse node (a follower and its rep), in the build's order
+    for r, k, seconds in layout.inner:
+        cost[r][k] += seconds
+
+    pinned = {p.node for p in pins}
+    forced = {r: 0 for r in reps if r in pinned}
+    at_build = (list(reps), dict(cands), dict(forced))  # as they are now, whenever asked
+    # Candidates, followers and pins, so the groups, do not depend on prices: a build of the
+    # same pins on the space with gradient all-reduces priced alone (``SearchSpace.alone``)
+    # shares them.
+    groups = space.unpriced.get(("groups", unpriced_key))
+    if groups is None or not share:
+        groups = LazyGroups(lambda: _layer_groups(space, at_build[0], at_build[1],
+                                                  at_build[2]))
+        space.unpriced[("groups", unpriced_key)] = groups
+    origins = {p.node: p.origin for p in pins}
+    priced = {"nodes": len(vectors), "of_nodes": layout.searchable, "edges": layout.matrices,
+              "of_edges": layout.edges_between}
+    return Problem(space, list(reps), dict(cands), cost, mem, dict(layout.edges),
+                   dict(layout.follow), forced, groups, origins, priced=priced)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a problem build finds that no node price changes.
+
+    Attributes:
+      reps, cands, follow: as :class:`Problem`'s.
+      members: per rep, the graph nodes it stands for, each with what its price depends on
+        but the gradient bucket (nodes alike in it share one price per bucket).
+      inner: ``(rep, candidate, seconds)`` of every layout change inside a coarse node, in
+        the order the build adds them to the rep's cost.
+      edges: the edge matrices between coarse nodes.
+      searchable, matrices, edges_between: ``Problem.priced``'s counts.
+    """
+
+    reps: list[int]
+    cands: dict[int, tuple[OpStrategy, ...]]
+    follow: dict[int, tuple[int, np.ndarray]]
+    members: dict[int, list[tuple[int, tuple]]]
+    inner: list[tuple[int, int, float]]
+    edges: dict[tuple[int, int], np.ndarray]
+    searchable: int
+    matrices: int
+    edges_between: int
+
+
+def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]],
+            fully_use_devices: bool, share: bool, unpriced_key: tuple) -> _Layout:
     graph = space.graph
     mesh = space.model.mesh
     pinned = {p.node: p for p in pins}
@@ -138,7 +219,6 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
     kinds: dict[int, tuple] = {}
     filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
     # Splits no contraction can use (search/useful.py); the same for every bucket size.
-    unpriced_key = (tuple(pins), tuple(ties), fully_use_devices)
     dead = space.unpriced.get(("useless", unpriced_key))
     if dead is None:
         dead = space.unpriced[("useless", unpriced_key)] = useless_factors(space, pins)
@@ -225,39 +305,18 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             own = own_ports[key] = np.asarray(ids, dtype=np.int64)
         return own[follow[nid][1]] if nid in follow else own
 
-    # -- node costs ---------------------------------------------------------------------------
-    hw = space.model.hw
-    cost = {r: np.zeros(len(cands[r])) for r in reps}
-    mem = {r: np.zeros(len(cands[r])) for r in reps}
-    members: dict[int, list[int]] = collections.defaultdict(list)
+    # -- what each node's price depends on, but the bucket ------------------------------------
+    members: dict[int, list[tuple[int, tuple]]] = collections.defaultdict(list)
     for nid in searchable:
-        members[rep_of(nid)].append(nid)
-    vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    for r in reps:
-        for nid in members[r]:
-            node = graph.nodes[nid]
-            index = follow[nid][1] if nid in follow else None
-            outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-            signature = (space.rule(nid), kinds[nid],
-                         None if index is None else index.tobytes(), node.weight,
-                         space.bucket_of(nid), outs,
-                         tuple(graph.operand_dtype(o) for o in node.inputs))
-            if not share:
-                signature = (nid,)
-            found = vectors.get(signature)
-            if found is None:  # repeated layers: price each kind of node once
-                options = cands[nid]
-                strategies = options if index is None else [options[int(k)] for k in index]
-                times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
-                held = np.array([_result_bytes(space, nid, s) for s in strategies])
-                found = vectors[signature] = (times, held)
-            cost[r] += found[0]
-            mem[r] += found[1]
-        # Among equally fast plans prefer the one holding fewer bytes (a batch argument split
-        # rather than replicated and sliced): a picosecond per GiB breaks the tie.
-        cost[r] += TIE_BREAK_S_PER_BYTE * mem[r]
+        node = graph.nodes[nid]
+        index = follow[nid][1] if nid in follow else None
+        outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
+        members[rep_of(nid)].append((nid, (
+            space.rule(nid), kinds[nid], None if index is None else index.tobytes(),
+            node.weight, outs, tuple(graph.operand_dtype(o) for o in node.inputs))))
 
     # -- edges --------------------------------------------------------------------------------
+    inner: list[tuple[int, int, float]] = []
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrices: dict[tuple, np.ndarray] = {}
     edges_between = 0  # edges between two coarse nodes (each needs a matrix)
@@ -267,8 +326,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
         dst = port(consumer, "in", i)
         if ru == rv:
             for k in np.flatnonzero(src != dst):
-                cost[ru][k] += space.edge_time(producer, j, specs[src[k]], consumer,
-                                               specs[dst[k]])
+                inner.append((ru, k, space.edge_time(producer, j, specs[src[k]], consumer,
+                                                     specs[dst[k]])))
             continue
         edges_between += 1
         value = graph.values[graph.nodes[producer].outputs[j]]
@@ -282,22 +341,8 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
             continue
         key, m = ((ru, rv), matrix) if ru < rv else ((rv, ru), matrix.T)
         edges[key] = edges[key] + m if key in edges else m
-
-    forced = {r: 0 for r in reps if r in pinned}
-    at_build = (list(reps), dict(cands), dict(forced))  # as they are now, whenever asked
-    # Candidates, followers and pins, so the groups, do not depend on prices: a build of the
-    # same pins on the space with gradient all-reduces priced alone (``SearchSpace.alone``)
-    # shares them.
-    groups = space.unpriced.get(("groups", unpriced_key))
-    if groups is None or not share:
-        groups = LazyGroups(lambda: _layer_groups(space, at_build[0], at_build[1],
-                                                  at_build[2]))
-        space.unpriced[("groups", unpriced_key)] = groups
-    origins = {p.node: p.origin for p in pins}
-    priced = {"nodes": len(vectors), "of_nodes": len(searchable), "edges": len(matrices),
-              "of_edges": edges_between}
-    return Problem(space, reps, cands, cost, mem, edges, follow, forced, groups, origins,
-                   priced=priced)
+    return _Layout(reps, cands, follow, dict(members), inner, edges, len(searchable),
+                   len(matrices), edges_between)
 
 
 TIE_BREAK_S_PER_BYTE = 1e-21
@@ -416,19 +461,33 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
     graph = space.graph
     first: dict[tuple, int] = {}
     colour = []
+    # Candidate lists by number, equal lists one number: hashing a list hashes every strategy
+    # in it, and repeated layers share a few lists (looked up by identity: ``cands`` holds
+    # them, so their ids stay theirs while this runs).
+    by_value: dict[tuple, int] = {}
+    by_id: dict[int, int | None] = {}
+
+    def listed(nid: int) -> int | None:
+        options = cands.get(nid)
+        found = by_id.get(id(options), -1)
+        if found == -1:
+            found = by_id[id(options)] = None if options is None else \
+                by_value.setdefault(options, len(by_value))
+        return found
+
     for node in graph.nodes:
         nid = node.id
         shapes = tuple(graph.values[v].shape for v in node.outputs)
         if node.kind is NodeKind.OP and node.source != "?":
             where = call_sites(node.eqn) if node.eqn is not None else ()
             key = ("op", node.name, where or node.source, space.rule(nid), node.weight,
-                   cands.get(nid))
+                   listed(nid))
         elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
-            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, cands.get(nid))
+            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, listed(nid))
         elif node.kind is NodeKind.OP:
-            key = ("op", node.name, space.rule(nid), node.weight, cands.get(nid))
+            key = ("op", node.name, space.rule(nid), node.weight, listed(nid))
         else:
-            key = (node.kind, node.name, shapes, node.weight, cands.get(nid))
+            key = (node.kind, node.name, shapes, node.weight, listed(nid))
         colour.append(first.setdefault(key, len(first)))
     around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
     for producer, j, consumer, i in graph.edges():

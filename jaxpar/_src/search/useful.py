@@ -34,35 +34,47 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
     """Per node (not a seed, not pinned), the splittable factors of its rule whose dimensions
     no seed can split.  Empty when the program has no seed at all (then every split stays)."""
     graph = space.graph
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
+    # (value, dimension) numbered: ``first[value] + dimension`` (a flat union-find is what
+    # keeps this pass cheap on deep models: issue 14)
+    first = [0] * (len(graph.values) + 1)
+    for v in graph.values:
+        first[v.id + 1] = first[v.id] + len(v.shape)
+    parent = list(range(first[-1]))
+    beyond: dict[tuple[int, int], int] = {}  # a rule's dimension the value lacks: its own id
 
-    def find(x: tuple[int, int]) -> tuple[int, int]:
+    def numbered(vid: int, d: int) -> int:
+        k = beyond.get((vid, d))
+        if k is None:
+            k = beyond[(vid, d)] = len(parent)
+            parent.append(k)
+        return k
+
+    def find(x: int) -> int:
         root = x
-        while parent.get(root, root) != root:
+        while parent[root] != root:
             root = parent[root]
-        while parent.get(x, x) != root:
+        while parent[x] != root:
             parent[x], x = root, parent[x]
         return root
 
-    def union(a: tuple[int, int], b: tuple[int, int]) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[ra] = rb
-
-    dims_of: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    dims_of: dict[int, dict[int, list[int]]] = {}
     for node in graph.searchable():
         rule = space.rule(node.id)
         values = [o if isinstance(o, int) else None for o in node.inputs]
-        per_factor: dict[int, list[tuple[int, int]]] = {}
+        per_factor: dict[int, list[int]] = {}
         for side, index, d, f in _all_splittable_dims(rule):
             vid = values[index] if side == 0 else node.outputs[index]
             if vid is not None:
-                per_factor.setdefault(f, []).append((vid, d))
+                k = first[vid] + d
+                per_factor.setdefault(f, []).append(
+                    k if k < first[vid + 1] else numbered(vid, d))
         for members in per_factor.values():
             for m in members[1:]:
-                union(members[0], m)
+                ra, rb = find(members[0]), find(m)
+                if ra != rb:
+                    parent[ra] = rb
         dims_of[node.id] = per_factor
-    useful: set[tuple[int, int]] = set()
+    useful: set[int] = set()
     pinned = {p.node: p for p in pins}
     seeds = space.in_category(*SEEDS)
     for node in graph.searchable():
