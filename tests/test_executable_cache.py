@@ -161,3 +161,19 @@ def test_a_call_jit_would_trace_anew_is_not_served_by_the_loaded_executable(cach
     assert LOADED_NOTE in again.plan(x, jnp.float32(2)).notes[-1]
     assert again(x, 2.0).dtype == jnp.bfloat16 == jax.jit(scale)(x, 2.0).dtype
     assert again(x, jnp.float32(3)).dtype == jnp.float32
+
+
+def test_a_mesh_of_some_devices_runs_on_them(cache_dir):
+    mesh = jaxpar.make_mesh((2,), ("d",), devices=jax.devices()[4:6])
+
+    def make():
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((2, 1), (1, 1)))
+
+    w, g = jnp.ones((16, 4)), jnp.full((16, 4), 0.5)
+    want = np.asarray(make()(w, g))
+    again = make()
+    got = again(w, g)
+    assert LOADED_NOTE in again.plan(w, g).notes[-1]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert {d.id for d in got.sharding.device_set} == {4, 5}

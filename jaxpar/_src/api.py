@@ -29,6 +29,7 @@ from jaxpar._src.executable_cache import (
     LOADED_NOTE,
     ExecutableKey,
     Loaded,
+    compile_to_keep,
     executable_key,
     in_tree_of,
     load_executable,
@@ -215,8 +216,9 @@ class Parallelized:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(abstract)):
             return  # called inside a transformation: no executable of its own to keep
         directory, key = entry.pending.pop()
-        compiled = entry.jitted.lower(*abstract).compile()
-        store_executable(directory, key, compiled, api=self._info.api)
+        compiled = compile_to_keep(entry.jitted.lower(*abstract))
+        if compiled is not None:
+            store_executable(directory, key, compiled, api=self._info.api)
 
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
                 ) -> list:
@@ -345,7 +347,7 @@ class Parallelized:
                     platform=mesh.devices.flat[0].platform)
                 compiled = load_executable(
                     cache_dir, exec_key, in_tree_of(args, info.static_argnums),
-                    program.out_tree, api=info.api) if hit else None
+                    program.out_tree, mesh.devices.flat, api=info.api) if hit else None
                 if compiled is None:
                     pending.append((cache_dir, exec_key))
                 else:

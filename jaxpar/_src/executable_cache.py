@@ -24,6 +24,11 @@ that refuses it) is ignored with one :class:`JaxparWarning`; the program is lowe
 as without it, and the new executable replaces the file.  Files are written under a temporary
 name and renamed into place, as the plans are.
 
+An executable that JAX's persistent compilation cache served (a process that found no plan, or
+no executable, but whose program JAX's cache holds) is not kept: serialized again it would not
+run on XLA:CPU (:func:`compile_to_keep`); such a process runs as without executables, lowering
+and reading JAX's cache.
+
 The loaded executable (a ``jax.stages.Compiled``) accepts arguments ``jax.jit`` would trace anew
 (a weakly typed scalar where the plan's was strongly typed, another JAX configuration), so
 :class:`Loaded` checks what ``jax.stages.Compiled`` does not: static arguments by type and value,
@@ -109,6 +114,25 @@ def executable_key(plan_digest: str, plan_text_sha: str, *, signature: Sequence[
     return ExecutableKey(plan_digest, digest, description)
 
 
+def compile_to_keep(lowered: Any) -> Any | None:
+    """``lowered.compile()``, or ``None`` when JAX's persistent compilation cache served it:
+    an executable read back from that cache and serialized again loads, but fails when run on
+    XLA:CPU (JAX 0.10: "Function ... not found"), so only one XLA compiled here is kept.  (The
+    call's ``jax.jit`` then finds JAX's executable in its own caches.)"""
+    hits = []
+
+    def listen(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        compiled = lowered.compile()
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    return None if hits else compiled
+
+
 def store_executable(directory: str, key: ExecutableKey, compiled: Any, *, api: str) -> bool:
     """Writes ``compiled`` (a ``jax.stages.Compiled``) under ``key``, atomically; an executable
     that cannot be serialized or a directory that cannot be written warns once and the run goes
@@ -141,11 +165,12 @@ def store_executable(directory: str, key: ExecutableKey, compiled: Any, *, api: 
     return True
 
 
-def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: Any, *,
-                    api: str) -> Any | None:
+def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: Any,
+                    devices: Sequence[Any], *, api: str) -> Any | None:
     """The ``jax.stages.Compiled`` stored under ``key`` for arguments of pytree ``in_tree``
-    (``((dynamic arguments...), {})``) and results of ``out_tree``; ``None`` when there is none,
-    or, with a warning, when it cannot be used."""
+    (``((dynamic arguments...), {})``) and results of ``out_tree``, run on ``devices`` (the
+    mesh's, in its order: the executable's device assignment); ``None`` when there is none, or,
+    with a warning, when it cannot be used."""
     path = key.path(directory)
     try:
         with open(path, "rb") as f:
@@ -164,7 +189,8 @@ def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: 
     if description != key.description:
         return _ignored(api, path, "its key is not the key its name stands for")
     try:
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=list(devices))
     except Exception as e:  # noqa: BLE001 - unpickling and XLA raise anything on a bad file
         return _ignored(api, path, f"it cannot be loaded ({type(e).__name__}: {str(e)[:200]})")
 

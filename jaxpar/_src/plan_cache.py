@@ -4,8 +4,11 @@ With ``jaxpar.config.plan_cache_dir`` set, every plan ``parallelize`` searches i
 and a later process (the same script run again, another rank) that traces the same program with
 the same settings loads it instead of searching: ``<dir>/<key digest>.json`` holds the key's
 description and the plan in the format of :meth:`ShardingPlan.to_json`.  The program is still
-traced (lowering evaluates the traced graph); what a hit skips is building the search problem,
-the search and the pricing of the plan.
+traced (the key is computed from the traced graph); what a hit skips is building the search
+problem, the search and the pricing of the plan.  Beside the entry, the first call of a plan
+keeps the executable XLA compiled for it (``<key digest>.<executable key digest>.xla``, see
+``executable_cache.py``): a later process whose plan is a hit loads it instead of lowering and
+compiling.
 
 The key is a SHA-256 of everything a plan depends on:
 
