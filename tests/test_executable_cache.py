@@ -177,3 +177,24 @@ def test_a_mesh_of_some_devices_runs_on_them(cache_dir):
     assert LOADED_NOTE in again.plan(w, g).notes[-1]
     np.testing.assert_array_equal(np.asarray(got), want)
     assert {d.id for d in got.sharding.device_set} == {4, 5}
+
+
+def test_a_loaded_executable_serves_only_its_static_values(cache_dir):
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def power(x, n):
+        return x ** n
+
+    def make():
+        return jaxpar.parallelize(power, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8,),), static_argnums=1)
+
+    x = jnp.arange(16.0)
+    make()(x, 2)
+    again = make()
+    np.testing.assert_array_equal(np.asarray(again(x, 2)), np.asarray(x) ** 2)
+    assert LOADED_NOTE in again.plan(x, 2).notes[-1]
+    np.testing.assert_array_equal(np.asarray(again(x, 2)), np.asarray(x) ** 2)  # fast path
+    np.testing.assert_array_equal(np.asarray(again(x, 3)), np.asarray(x) ** 3)
+    np.testing.assert_array_equal(np.asarray(again(x, 2.0)), np.asarray(x) ** 2)
+    assert again.plan(x, 2.0).input_layouts() == again.plan(x, 2).input_layouts()

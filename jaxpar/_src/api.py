@@ -30,8 +30,9 @@ from jaxpar._src.executable_cache import (
     ExecutableKey,
     Loaded,
     compile_to_keep,
+    dynamic_tree,
     executable_key,
-    in_tree_of,
+    flat_in_tree,
     load_executable,
     storable,
     store_executable,
@@ -345,13 +346,14 @@ class Parallelized:
                     key.digest, text_sha, signature=signature,
                     donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
                     platform=mesh.devices.flat[0].platform)
+                tree = dynamic_tree(args, info.static_argnums)
                 compiled = load_executable(
-                    cache_dir, exec_key, in_tree_of(args, info.static_argnums),
-                    program.out_tree, mesh.devices.flat, api=info.api) if hit else None
+                    cache_dir, exec_key, flat_in_tree(tree), program.out_tree,
+                    list(mesh.devices.flat), api=info.api) if hit else None
                 if compiled is None:
                     pending.append((cache_dir, exec_key))
                 else:
-                    loaded = Loaded(compiled, signature, info.static_argnums, build)
+                    loaded = Loaded(compiled, tree, signature, info.static_argnums, build)
                     plan = dataclasses.replace(plan, notes=plan.notes[:-1] + (
                         f"{plan.notes[-1]}; {LOADED_NOTE} ({exec_key.path(cache_dir)}), not "
                         f"lowered or compiled",))
