@@ -15,8 +15,9 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
    out_shardings=...)(*args)`` given the shardings jaxpar chose; the first run with empty caches,
    the second with jaxpar's plan cache (``jaxpar.config.plan_cache_dir``) and JAX's persistent
    compilation cache (``jax_compilation_cache_dir``) filled by the first; jaxpar's phases
-   (trace, plan, lower = JAX's trace of the jitted function and its StableHLO, XLA compile) from
-   ``jax.monitoring``'s compile events and the plan's own timings.
+   (trace = make_jaxpr + graph build, the plan cache's key, plan, loading the executable kept
+   in the plan cache, lower = JAX's trace of the jitted function and its StableHLO, XLA
+   compile, the call) from ``jax.monitoring``'s compile events and the plan's own timings.
 
 3. **phases** (``--phases``), each size in a fresh process: jaxpar's own time per phase on the
    same GPT step at 24, 96 and 192 layers (``--layers``), and each phase's seconds per layer

@@ -61,6 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxpar._src.cache_key import static_key
@@ -234,12 +235,15 @@ class Loaded:
             raise Retrace
         array = self._array
         for x, weak in zip(leaves, self._weak, strict=True):
-            if type(x) is not array:
-                if isinstance(x, jax.core.Tracer):
-                    return self._jitted()(*args)
-                if jax.typeof(x).weak_type != weak:
+            if type(x) is array:
+                if x.weak_type != weak:
                     raise Retrace
-            elif x.weak_type != weak:
+            elif isinstance(x, (np.ndarray, np.generic)):  # never weakly typed
+                if weak:
+                    raise Retrace
+            elif isinstance(x, jax.core.Tracer):
+                return self._jitted()(*args)
+            elif jax.typeof(x).weak_type != weak:
                 raise Retrace
         return self.compiled(*leaves)
 
