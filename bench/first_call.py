@@ -15,8 +15,9 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
    out_shardings=...)(*args)`` given the shardings jaxpar chose; the first run with empty caches,
    the second with jaxpar's plan cache (``jaxpar.config.plan_cache_dir``) and JAX's persistent
    compilation cache (``jax_compilation_cache_dir``) filled by the first; jaxpar's phases
-   (trace, plan, lower = JAX's trace of the jitted function and its StableHLO, XLA compile) from
-   ``jax.monitoring``'s compile events and the plan's own timings.
+   (trace = make_jaxpr + graph build, the plan cache's key, plan, loading the executable kept
+   in the plan cache, lower = JAX's trace of the jitted function and its StableHLO, XLA
+   compile, the call) from ``jax.monitoring``'s compile events and the plan's own timings.
 
 3. **phases** (``--phases``), each size in a fresh process: jaxpar's own time per phase on the
    same GPT step at 24, 96 and 192 layers (``--layers``), and each phase's seconds per layer
@@ -89,7 +90,7 @@ class _Probe:
         return out
 
 
-def _rounds(jax, pf, probe, args, rounds: int, calls: int) -> dict:
+def _rounds(jax, pf, probe, args, rounds: int, calls: int, reference=None) -> dict:
     """Per-call seconds, best of interleaved rounds, each call waited for: through jaxpar and
     through the jitted function alone; and jaxpar's own Python per call (before and after the
     jitted function: it does not depend on how long XLA runs), the best and the median call."""
@@ -103,13 +104,16 @@ def _rounds(jax, pf, probe, args, rounds: int, calls: int) -> dict:
             own.append((probe.entered - t0) + (t1 - probe.left))
             jax.block_until_ready(out)
             del out  # freed here, not inside the next timed call
-        for name, fn in (("jaxpar", pf), ("jit", probe.fn)):
+        for name, fn in (("jaxpar", pf), ("jit", reference or probe.fn)):
             t0 = time.perf_counter()
             for _ in range(calls):
                 jax.block_until_ready(fn(*args))
             best[name].append((time.perf_counter() - t0) / calls)
     return {k: min(v) for k, v in best.items()} | {"own": min(own),
                                                    "own_median": statistics.median(own)}
+
+
+_LOADED = "GPT-2L train step, executable loaded from the plan cache"
 
 
 def per_call_rows(quick: bool) -> list[dict]:
@@ -133,19 +137,34 @@ def per_call_rows(quick: bool) -> list[dict]:
         ("cheap step, dict of 44 arrays", touch_dict, (plain, args[2]), "data_parallel", 15,
          100),
         ("GPT-2L train step", step, args, "auto_parallel", 5, 10),
+        (_LOADED, step, args, "auto_parallel", 5, 10),
     ]
     rows = []
     for name, fn, fn_args, mode, rounds, calls in cases:
         if quick:
             rounds, calls = max(3, rounds // 3), max(3, calls // 4)
-        pf = jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)
-        entry = pf.compiled_entry(*fn_args)
+        if name == _LOADED:  # a first callable stores the executable, a second loads it
+            with tempfile.TemporaryDirectory(prefix="jaxpar-per-call-") as tmp:
+                jaxpar.config.update("plan_cache_dir", tmp)
+                jax.block_until_ready(jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)(
+                    *fn_args))
+                pf = jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)
+                entry = pf.compiled_entry(*fn_args)
+                jaxpar.config.update("plan_cache_dir", None)
+            assert entry.loaded is not None, entry.plan.notes[-1]
+            probe = _Probe(entry.loaded.compiled)  # the executable itself (on the leaves)
+            entry.loaded.compiled = probe
+            reference = entry.jitted  # jax.jit of the same plan, compiled in this process
+        else:
+            pf = jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)
+            entry = pf.compiled_entry(*fn_args)
+            probe = reference = _Probe(entry.jitted)
+            object.__setattr__(entry, "build_jit", lambda p=probe: p)  # jitted, watched
         placed = pf._placed(fn_args, entry)  # the inputs where the plan wants them
-        probe = _Probe(entry.jitted)
-        object.__setattr__(entry, "jitted", probe)  # the frozen record's jitted, watched
         jax.block_until_ready(pf(*placed))  # compiles; later calls reuse it
         jax.block_until_ready(pf(*placed))
-        got = _rounds(jax, pf, probe, placed, rounds, calls)
+        jax.block_until_ready(reference(*placed))
+        got = _rounds(jax, pf, probe, placed, rounds, calls, reference)
         rows.append({"case": name, "leaves": len(jax.tree.leaves(placed)), "mode": mode,
                      "jaxpar_us": got["jaxpar"] * 1e6, "jit_us": got["jit"] * 1e6,
                      "own_us": got["own"] * 1e6, "own_median_us": got["own_median"] * 1e6,
@@ -159,8 +178,12 @@ def per_call_rows(quick: bool) -> list[dict]:
 def per_call_table(rows: list[dict]) -> list[str]:
     lines = ["## Per call, inputs placed", "",
              "The same executable called through jaxpar and through the jax.jit object jaxpar "
-             "built; per-call time waited for, best of interleaved rounds; jaxpar's own = its "
-             "Python before and after the jitted function, per call (best and median call).",
+             "built (for the executable loaded from the plan cache: against the jax.jit of the "
+             "same plan compiled in the process); per-call time waited for, best of interleaved "
+             "rounds; jaxpar's own = its Python before and after the jitted function (for the "
+             "loaded executable: the loaded jax.stages.Compiled, which jaxpar hands the "
+             "arguments' leaves, so its own time includes flattening them, which jax.jit does "
+             "inside), per call (best and median call).",
              "",
              "| step | leaves | jaxpar us | jax.jit us | ratio | jaxpar's own us (best) | "
              "(median) |",
@@ -207,6 +230,12 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
     jax.monitoring.register_event_listener(count)
     row: dict = {"kind": kind, "layers": layers}
     if kind == "jaxpar":
+        from jaxpar._src import api, trace
+
+        spent: dict[str, float] = {}  # where the trace and the plan cache's time goes
+        _timed(trace._Builder, "build", spent, "graph")
+        _timed(api, "trace", spent, "trace")
+        _timed(api, "plan_cache_key", spent, "key")
         jaxpar.config.update("plan_cache_dir", plan_dir)
         t0 = time.perf_counter()
         pf = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel")
@@ -218,8 +247,12 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
         plan = entry.plan
         row.update(first_call_s=t2 - t0, trace_s=entry.timings["trace"],
                    plan_s=entry.timings["search"], call_s=t2 - t1,
+                   exec_s=entry.timings.get("executable", 0.0),
+                   make_jaxpr_s=spent.get("trace", 0.0) - spent.get("graph", 0.0),
+                   graph_s=spent.get("graph", 0.0), key_s=spent.get("key", 0.0),
                    plan_cache_hit=bool(plan.notes) and plan.notes[-1].startswith(
                        "loaded from the plan cache"),
+                   exec_loaded=getattr(entry, "loaded", None) is not None,
                    ops=entry.program.graph.count("op"))
         if not os.path.exists(specs_path):
             with open(specs_path, "w") as f:
@@ -465,9 +498,11 @@ def _pair(layers: int, run: int, ours: dict, jit: dict, repeat: int, jit_first: 
             "ops": ours["ops"], "jaxpar_s": ours["first_call_s"], "jit_s": jit["first_call_s"],
             "ratio": ours["first_call_s"] / jit["first_call_s"],
             "plan_cache_hit": ours["plan_cache_hit"],
+            "exec_loaded": ours.get("exec_loaded", False),
             "xla_cache": ours.get("xla_cache", {}), "jit_xla_cache": jit.get("xla_cache", {}),
             "phases": {k: ours.get(k, 0.0) for k in (
-                "trace_s", "plan_s", "jax_trace_s", "to_mlir_s", "xla_compile_s")},
+                "trace_s", "make_jaxpr_s", "graph_s", "key_s", "plan_s", "exec_s", "call_s",
+                "jax_trace_s", "to_mlir_s", "xla_compile_s")},
             "jit_phases": {k: jit.get(k, 0.0) for k in (
                 "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
 
@@ -518,6 +553,7 @@ def _median_rows(rows: list[dict]) -> list[dict]:
             "compile_ratio": med(r["phases"]["xla_compile_s"]
                                  / max(r["jit_phases"]["xla_compile_s"], 1e-9) for r in group),
             "plan_cache_hit": all(r["plan_cache_hit"] for r in group),
+            "exec_loaded": all(r["exec_loaded"] for r in group),
             "phases": {k: med(r["phases"][k] for r in group) for k in group[0]["phases"]},
             "jit_phases": {k: med(r["jit_phases"][k] for r in group)
                            for k in group[0]["jit_phases"]}})
@@ -535,22 +571,30 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "and JAX's compilation cache (a directory each) as run 1 left them. Each repeat "
              "uses fresh caches and alternates which of the two runs first; medians over the "
              "repeats (the ratio's range beside it). jaxpar's phases: trace (its jaxpr and "
-             "graph), plan (search, or plan cache), lower (JAX's trace of the jitted function "
-             "+ StableHLO), XLA compile; seconds. compile ratio: jaxpar's XLA compile over "
+             "graph: make_jaxpr + graph build), key (the plan cache's key: hashing the graph), "
+             "plan (search, or plan cache, key included), executable (loading the executable "
+             "kept in the plan cache), lower (JAX's trace of the jitted function + StableHLO), "
+             "XLA compile, call (from the plan to the result: placing the arguments, lowering, "
+             "compiling and running); seconds. compile ratio: jaxpar's XLA compile over "
              "jax.jit's, median of the repeats' ratios.", "",
              "| layers | ops | run | repeats | jaxpar s | jax.jit s | ratio (range) | "
-             "run 2 / run 1 | plan cache | trace | plan | lower | XLA compile | "
-             "jit's XLA compile | compile ratio | XLA cache hit/miss | jit's hit/miss |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "run 2 / run 1 | plan cache | trace (jaxpr + graph) | key | plan | executable | "
+             "lower | XLA compile | call | jit's XLA compile | compile ratio | "
+             "XLA cache hit/miss | jit's hit/miss |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|"
+             "---:|---:|---|---|"]
     for r in _median_rows(rows):
         p, j = r["phases"], r["jit_phases"]
         again = f"{r['again']:.2f}" if r["again"] is not None else ""
         lines.append(
             f"| {r['layers']} | {r['ops']} | {r['run']} | {r['repeats']} | {r['jaxpar_s']:.1f} "
             f"| {r['jit_s']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-            f" | {again} | {'hit' if r['plan_cache_hit'] else 'miss'} | "
-            f"{p['trace_s']:.1f} | {p['plan_s']:.1f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
-            f"{p['xla_compile_s']:.2f} | {j['xla_compile_s']:.2f} | {r['compile_ratio']:.2f} | "
+            f" | {again} | {'hit' if r['plan_cache_hit'] else 'miss'}"
+            f"{' + executable' if r['exec_loaded'] else ''} | {p['trace_s']:.1f} "
+            f"({p['make_jaxpr_s']:.1f} + {p['graph_s']:.1f}) | {p['key_s']:.2f} | "
+            f"{p['plan_s']:.1f} | {p['exec_s']:.2f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
+            f"{p['xla_compile_s']:.2f} | {p['call_s']:.1f} | {j['xla_compile_s']:.2f} | "
+            f"{r['compile_ratio']:.2f} | "
             f"{_hits(r['xla_cache'])} | {_hits(r['jit_xla_cache'])} |")
     return lines
 

@@ -25,6 +25,18 @@ from jaxpar._src.cost import CostModel
 from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
 from jaxpar._src.dispatch import MISS, FastPath, check_signature
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
+from jaxpar._src.executable_cache import (
+    LOADED_NOTE,
+    ExecutableKey,
+    Loaded,
+    compile_to_keep,
+    dynamic_tree,
+    executable_key,
+    flat_in_tree,
+    load_executable,
+    storable,
+    store_executable,
+)
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
 from jaxpar._src.hardware import HardwareProfile, resolve_hardware
@@ -39,10 +51,10 @@ from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import (
+    TEXT_SHA,
     CacheKey,
     entry_choice,
     entry_plan,
-    load_cached,
     plan_cache_key,
     read_entry,
     store_cached,
@@ -89,14 +101,29 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Compiled:
-    """One input signature's traced program, plan and jitted function."""
+    """One input signature's traced program, plan and jitted function (built when first
+    needed: a call that runs an executable loaded from the plan cache never needs it)."""
 
     program: TracedProgram
     plan: ShardingPlan
     settings: Settings
-    jitted: Any
+    build_jit: Callable[[], Any]  # the jitted function (memoized)
     in_shardings: tuple[Any, ...]  # flat, per dynamic leaf
-    timings: Mapping[str, float]  # seconds: trace, search (plan)
+    timings: Mapping[str, float]  # seconds: trace, search (plan), executable (its loading)
+    loaded: Loaded | None = None  # the executable loaded from the plan cache
+    # (directory, key) while the executable is still to be stored in the plan cache
+    pending: list[tuple[str, ExecutableKey]] = dataclasses.field(default_factory=list)
+
+    @property
+    def jitted(self) -> Any:
+        """The ``jax.jit`` of the lowered plan (``.lower``, ``.trace``; its executable is the
+        loaded one's)."""
+        return self.build_jit()
+
+    @property
+    def runner(self) -> Callable[..., Any]:
+        """What a call runs: the loaded executable, else the jitted function."""
+        return self.loaded if self.loaded is not None else self.build_jit()
 
 
 class Parallelized:
@@ -146,8 +173,11 @@ class Parallelized:
             with jax.disable_jit(), _mesh_context(self._trace_mesh(entry.settings)):
                 return info.fn(*full)
         with paused_gc():  # a first call traces the evaluator: many objects, none to free
-            out = entry.jitted(*full)
-        self._fast.remember(ctx, algo, entry.jitted)
+            if entry.pending:
+                self._keep_executable(entry, args)
+            runner = entry.runner
+            out = runner(*full)
+        self._fast.remember(ctx, algo, runner)
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -179,6 +209,18 @@ class Parallelized:
         return self._compiled(self._info.bind(args, kwargs))
 
     # -- internals ----------------------------------------------------------------------------
+    def _keep_executable(self, entry: Compiled, args: tuple) -> None:
+        """Compiles the entry's program and stores the executable in the plan cache
+        (``executable_cache.py``).  Lowered from the arguments as the call places them, so that
+        the call's ``jax.jit`` finds this lowering and executable in its caches."""
+        abstract = self._placed(args, entry, _abstract)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(abstract)):
+            return  # called inside a transformation: no executable of its own to keep
+        directory, key = entry.pending.pop()
+        compiled = compile_to_keep(entry.jitted.lower(*abstract))
+        if compiled is not None:
+            store_executable(directory, key, compiled, api=self._info.api)
+
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
                 ) -> list:
         """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
@@ -262,7 +304,8 @@ class Parallelized:
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
         # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
         cache_dir = config.plan_cache_dir
-        key = plan = rung = None
+        key = plan = rung = text_sha = None
+        hit = False
         if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
             # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py),
             # kept in the plan cache with the plan
@@ -273,25 +316,51 @@ class Parallelized:
             key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
                                  out_tree=program.out_tree, signature=signature,
                                  settings=settings, info=info)
-            plan = load_cached(cache_dir, key, program.graph, api=info.api)
+            cached = read_entry(cache_dir, key, api=info.api)
+            if cached is not None:
+                plan = entry_plan(cached, key.path(cache_dir), program.graph, api=info.api)
+                hit, text_sha = plan is not None, cached[TEXT_SHA]
         if plan is None:
             plan = self._plan(args, program, settings, names, batch)
             plan = dataclasses.replace(plan, notes=plan.notes + remat_notes(program.graph))
             if key is not None and cache_dir:
-                store_cached(cache_dir, key, plan, api=info.api)
+                text_sha = store_cached(cache_dir, key, plan, api=info.api)
         plan = attach_pipeline(plan, program.graph)  # from the graph: also for a cached plan
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
+        loaded, pending = None, []
         if rung is not None:  # the chosen rung's jitted function, its executable compiled
-            jitted, flat_in = rung.jitted, rung.in_shardings  # (lowering reads plan.decisions)
+            flat_in = rung.in_shardings  # (lowering reads plan.decisions)
+            build = _given(rung.jitted)
         else:
             in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                          for n in program.graph.inputs]
             arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-            jitted, flat_in = self._jit(program, plan, mesh, settings, arrivals, signature)
-        return Compiled(program, plan, settings, jitted, flat_in,
-                        {"trace": t1 - t0, "search": t2 - t1})
+            flat_in = _in_shardings(plan, mesh, arrivals)
+            build = functools.cache(functools.partial(
+                self._jit, program, plan, mesh, settings, arrivals, signature))
+            if cache_dir and key is not None and text_sha is not None and storable():
+                # the executable beside the plan (executable_cache.py)
+                exec_key = executable_key(
+                    key.digest, text_sha, signature=signature,
+                    donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
+                    platform=mesh.devices.flat[0].platform)
+                tree = dynamic_tree(args, info.static_argnums)
+                compiled = load_executable(
+                    cache_dir, exec_key, flat_in_tree(tree), program.out_tree,
+                    list(mesh.devices.flat), api=info.api) if hit else None
+                if compiled is None:
+                    pending.append((cache_dir, exec_key))
+                else:
+                    loaded = Loaded(compiled, tree, signature, info.static_argnums, build)
+                    plan = dataclasses.replace(plan, notes=plan.notes[:-1] + (
+                        f"{plan.notes[-1]}; {LOADED_NOTE} ({exec_key.path(cache_dir)}), not "
+                        f"lowered or compiled",))
+        t3 = time.perf_counter()
+        return Compiled(program, plan, settings, build, flat_in,
+                        {"trace": t1 - t0, "search": t2 - t1, "executable": t3 - t2},
+                        loaded, pending)
 
     def _trace(self, args: tuple, settings: Settings, names: list[str],
                policies: tuple[str, ...] | None
@@ -364,8 +433,8 @@ class Parallelized:
                 in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                              for n in program.graph.inputs]
                 arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-                jitted, flat_in = self._jit(program, plan, settings.mesh, settings, arrivals,
-                                            signature)
+                flat_in = _in_shardings(plan, settings.mesh, arrivals)
+                jitted = self._jit(program, plan, settings.mesh, settings, arrivals, signature)
                 # Lowered from the arguments as the call places them, so that the call's
                 # jax.jit finds this lowering and executable in its caches: no second compile.
                 compiled = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
@@ -519,8 +588,7 @@ class Parallelized:
             return None
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings, arrivals: Sequence[Spec | None], signature: tuple
-             ) -> tuple[Any, tuple[Any, ...]]:
+             settings: Settings, arrivals: Sequence[Spec | None], signature: tuple) -> Any:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
@@ -529,8 +597,7 @@ class Parallelized:
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),
                              regather=regather)
-        flat_in = tuple(named_sharding(mesh, a if a is not None else s)
-                        for s, a in zip(plan.input_specs, arrivals, strict=True))
+        flat_in = _in_shardings(plan, mesh, arrivals)
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.
         entry = {k: named_sharding(mesh, s) for k, (s, a) in
                  enumerate(zip(plan.input_specs, arrivals, strict=True))
@@ -557,7 +624,20 @@ class Parallelized:
                          compiler_options=cpu_memory_scheduler(
                              mesh.devices.flat[0].platform, graph) or regather_options(
                              mesh.devices.flat[0].platform, regather))
-        return jitted, flat_in
+        return jitted
+
+
+def _given(x: Any) -> Callable[[], Any]:
+    """A function that returns ``x``."""
+    return lambda: x
+
+
+def _in_shardings(plan: ShardingPlan, mesh: Mesh, arrivals: Sequence[Spec | None]
+                  ) -> tuple[Any, ...]:
+    """The flat ``in_shardings`` of the jitted function: the plan's input layouts, or the
+    layout a leaf arrives in where it arrives otherwise (``full_batch``)."""
+    return tuple(named_sharding(mesh, a if a is not None else s)
+                 for s, a in zip(plan.input_specs, arrivals, strict=True))
 
 
 @contextlib.contextmanager

@@ -4,8 +4,11 @@ With ``jaxpar.config.plan_cache_dir`` set, every plan ``parallelize`` searches i
 and a later process (the same script run again, another rank) that traces the same program with
 the same settings loads it instead of searching: ``<dir>/<key digest>.json`` holds the key's
 description and the plan in the format of :meth:`ShardingPlan.to_json`.  The program is still
-traced (lowering evaluates the traced graph); what a hit skips is building the search problem,
-the search and the pricing of the plan.
+traced (the key is computed from the traced graph); what a hit skips is building the search
+problem, the search and the pricing of the plan.  Beside the entry, the first call of a plan
+keeps the executable XLA compiled for it (``<key digest>.<executable key digest>.xla``, see
+``executable_cache.py``): a later process whose plan is a hit loads it instead of lowering and
+compiling.
 
 The key is a SHA-256 of everything a plan depends on:
 
@@ -72,6 +75,7 @@ from jaxpar._src.plan_json import plan_from_dict, plan_to_dict
 FORMAT = "jaxpar.plan-cache/1"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object addresses differ between processes
 HIT_NOTE = "loaded from the plan cache"  # the start of a loaded plan's last note
+TEXT_SHA = "text_sha256"  # read_entry's addition to an entry: a SHA-256 of the file's text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +159,7 @@ def read_entry(directory: str, key: CacheKey, *, api: str) -> dict[str, Any] | N
     if data.get("key") != key.description:
         _ignored(api, path, "its key is not the key its name stands for")
         return None
+    data[TEXT_SHA] = _sha(text)  # the executable stored beside it is keyed on it
     return data
 
 
@@ -187,10 +192,10 @@ def entry_choice(entry: Mapping[str, Any], path: str, allowed: Sequence[str], n:
 
 
 def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str,
-                 choice: Any = None) -> None:
+                 choice: Any = None) -> str | None:
     """Writes ``plan`` (and, for a program with automatic recomputation, the ``choice`` of
     policies) under ``key``, atomically; a directory that cannot be written warns once and the
-    run goes on."""
+    run goes on.  A SHA-256 of the text written (``None`` if nothing was)."""
     entry = {"format": FORMAT, "key": key.description, "plan": plan_to_dict(plan)}
     if choice is not None:
         entry["choice"] = choice
@@ -208,10 +213,12 @@ def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str,
                   f"{api}: cannot write to the plan cache {directory!r} ({e}); plans are not "
                   f"kept there. Make the directory writable, or set jaxpar.config.plan_cache_dir "
                   f"to another one (or None).")
+        return None
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+    return _sha(text)
 
 
 def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:

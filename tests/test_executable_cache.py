@@ -1,0 +1,200 @@
+"""Executables in the plan cache (executable_cache.py): a second parallelize of the same program
+with the same cache directory (a new callable: nothing in memory, as in a second process) loads
+the compiled program and runs it without lowering or compiling; same numbers and collectives.
+A bad file warns once and is replaced; a change that alters the executable but not the plan
+(donate_argnums) does not reuse it; a call jax.jit would trace anew is not served by it."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar._src import api
+from jaxpar._src.executable_cache import LOADED_NOTE
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    before = jaxpar.config.plan_cache_dir
+    jaxpar.config.update("plan_cache_dir", str(tmp_path / "plans"))
+    yield tmp_path / "plans"
+    jaxpar.config.update("plan_cache_dir", before)
+
+
+@pytest.fixture
+def lowerings(monkeypatch):
+    """How many times jaxpar built a program to lower (its evaluator of the plan) and how many
+    times XLA compiled one."""
+    count = {"evaluator": 0, "compile": 0}
+    original = api.make_evaluator
+
+    def counted(*args, **kwargs):
+        count["evaluator"] += 1
+        return original(*args, **kwargs)
+
+    def compiled(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count["compile"] += 1
+
+    monkeypatch.setattr(api, "make_evaluator", counted)
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(compiled)
+
+
+def _mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def _args():
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    return (jax.random.normal(k1, (16, 32)), jax.random.normal(k2, (32, 64)) / 8,
+            jax.random.normal(k3, (64, 16)) / 8)
+
+
+def _auto(mesh, **kwargs):
+    return jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode="auto_parallel", batch_argnums=0,
+                              **kwargs)
+
+
+def _executables(directory):
+    return sorted(p for p in os.listdir(directory) if p.endswith(".xla"))
+
+
+def test_a_second_parallelize_runs_the_stored_executable_without_lowering(cache_dir, lowerings):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    single = np.asarray(_mlp(*args))
+    first = _auto(mesh)
+    entry = first.compiled_entry(*args)  # traced and planned
+    args = tuple(jax.device_put(a, s) for a, s in zip(args, entry.in_shardings, strict=True))
+    lowerings.update(evaluator=0, compile=0)
+    want = first(*args)
+    assert lowerings == {"evaluator": 1, "compile": 1}  # stored: compiled once, not twice
+    assert len(_executables(cache_dir)) == 1
+    theirs = jaxpar.inspect.collectives(first.lower(*args))
+    assert lowerings["evaluator"] == 1  # the call's jitted function, lowered again
+    lowerings.update(evaluator=0, compile=0)
+
+    again = _auto(mesh)  # a new callable: what a second process has
+    got = again(*args)
+    assert LOADED_NOTE in again.plan(*args).notes[-1]
+    assert lowerings == {"evaluator": 0, "compile": 0}  # nothing lowered, nothing compiled
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), single, rtol=1e-5, atol=1e-5)
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    loaded = again.compiled_entry(*args).loaded
+    ours = jaxpar.inspect.collectives(loaded.compiled, mesh)
+    assert ours.by_kind() == theirs.by_kind()
+    again(*args)  # the fast path runs the loaded executable too
+    assert lowerings == {"evaluator": 0, "compile": 0}
+    # .lower() still works: the jitted function is built and lowered when asked for
+    lowered = again.lower(*args)
+    assert lowerings["evaluator"] == 1
+    assert jaxpar.inspect.collectives(lowered).by_kind() == theirs.by_kind()
+
+
+def test_a_corrupt_executable_warns_once_and_is_compiled_and_replaced(cache_dir, lowerings):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    want = _auto(mesh)(*args)
+    (name,) = _executables(cache_dir)
+    path = cache_dir / name
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])  # truncated: a header, half an executable
+    lowerings.update(evaluator=0, compile=0)
+    with pytest.warns(jaxpar.JaxparWarning, match="ignoring the executable") as caught:
+        got = _auto(mesh)(*args)
+    assert len([w for w in caught if issubclass(w.category, jaxpar.JaxparWarning)]) == 1
+    assert lowerings["evaluator"] == 1  # the normal path: lowered and compiled
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert path.read_bytes() != data[:len(data) // 2]  # replaced by a good one
+    lowerings.update(evaluator=0, compile=0)
+    np.testing.assert_array_equal(np.asarray(_auto(mesh)(*args)), np.asarray(want))
+    assert lowerings == {"evaluator": 0, "compile": 0}
+
+
+def _update(w, g):
+    return w - 0.1 * jnp.tanh(g)
+
+
+def test_other_donate_argnums_do_not_reuse_the_executable(cache_dir, lowerings):
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def make(**kwargs):
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8, 1), (8, 1)), **kwargs)
+
+    w, g = jnp.ones((16, 4)), jnp.full((16, 4), 0.5)
+    want = np.asarray(make()(w, g))
+    donating = make(donate_argnums=0)
+    sharding = donating.compiled_entry(w, g).in_shardings[0]
+    lowerings.update(evaluator=0, compile=0)
+    donating(jax.device_put(w, sharding), g)
+    assert LOADED_NOTE not in donating.plan(w, g).notes[-1]  # only the plan reused
+    assert lowerings["evaluator"] == 1 and len(_executables(cache_dir)) == 2
+    # ... and the executable that donates, loaded in turn, donates
+    loaded = make(donate_argnums=0)
+    x = jax.device_put(w, sharding)
+    np.testing.assert_array_equal(np.asarray(loaded(x, g)), want)
+    assert LOADED_NOTE in loaded.plan(w, g).notes[-1]
+    assert x.is_deleted()
+
+
+def test_a_call_jit_would_trace_anew_is_not_served_by_the_loaded_executable(cache_dir):
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def scale(x, s):
+        return x * s  # bfloat16 with a weakly typed s, float32 with a float32 one
+
+    def make():
+        return jaxpar.parallelize(scale, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8,), ()))
+
+    x = jnp.ones(16, jnp.bfloat16)
+    make()(x, jnp.float32(2))
+    again = make()
+    assert again(x, jnp.float32(2)).dtype == jnp.float32  # loaded, then on the fast path
+    assert LOADED_NOTE in again.plan(x, jnp.float32(2)).notes[-1]
+    assert again(x, 2.0).dtype == jnp.bfloat16 == jax.jit(scale)(x, 2.0).dtype
+    assert again(x, jnp.float32(3)).dtype == jnp.float32
+
+
+def test_a_mesh_of_some_devices_runs_on_them(cache_dir):
+    mesh = jaxpar.make_mesh((2,), ("d",), devices=jax.devices()[4:6])
+
+    def make():
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((2, 1), (1, 1)))
+
+    w, g = jnp.ones((16, 4)), jnp.full((16, 4), 0.5)
+    want = np.asarray(make()(w, g))
+    again = make()
+    got = again(w, g)
+    assert LOADED_NOTE in again.plan(w, g).notes[-1]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert {d.id for d in got.sharding.device_set} == {4, 5}
+
+
+def test_a_loaded_executable_serves_only_its_static_values(cache_dir):
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def power(x, n):
+        return x ** n
+
+    def make():
+        return jaxpar.parallelize(power, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8,),), static_argnums=1)
+
+    x = jnp.arange(16.0)
+    make()(x, 2)
+    again = make()
+    np.testing.assert_array_equal(np.asarray(again(x, 2)), np.asarray(x) ** 2)
+    assert LOADED_NOTE in again.plan(x, 2).notes[-1]
+    np.testing.assert_array_equal(np.asarray(again(x, 2)), np.asarray(x) ** 2)  # fast path
+    np.testing.assert_array_equal(np.asarray(again(x, 3)), np.asarray(x) ** 3)
+    np.testing.assert_array_equal(np.asarray(again(x, 2.0)), np.asarray(x) ** 2)
+    assert again.plan(x, 2.0).input_layouts() == again.plan(x, 2).input_layouts()
