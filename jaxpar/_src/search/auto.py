@@ -156,7 +156,7 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     problem, choice, optimal, notes = run(space)
     strategies = problem.expand(choice)
     objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
-    # (the gradients all-reduced, as the search priced them: ZeRO 1-2's reduce-scatters
+    # (the gradients all-reduced, as the search priced them: ZeRO 1-3's reduce-scatters
     # are no reason to price the all-reduces alone)
     combined = space.price(strategies, as_lowered=False).step_s
     if space.bucket_bytes > 0 and combined > problem.objective(choice) * (1 + 1e-6):

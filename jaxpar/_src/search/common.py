@@ -54,7 +54,7 @@ class SearchSpace:
     def __init__(self, graph: OpGraph, model: CostModel, optimizer_level: int = 0) -> None:
         self.graph = graph
         self.model = model
-        # The parallel optimizer's ZeRO level (0: off): at levels 1-2 a plan is priced as the
+        # The parallel optimizer's ZeRO level (0: off): at levels 1-3 a plan is priced as the
         # lowering runs it, its split gradients reduce-scattered (scatter_plan.py).
         self.optimizer_level = optimizer_level
         # The inputs ZeRO level 3 splits (the parallel optimizer's pins, which set it): a plan
@@ -163,7 +163,7 @@ class SearchSpace:
     def calibrate(self, strategies: Mapping[int, OpStrategy]) -> None:
         """Sets :attr:`bucket_bytes` from a full plan (pure data parallel): the size of the
         combined all-reduces its gradients become."""
-        # as the searches price the gradients: all-reduced (at levels 1-2 the lowering makes
+        # as the searches price the gradients: all-reduced (at levels 1-3 the lowering makes
         # them by reduce-scatter, which the whole plan's price then says)
         priced = self.price(strategies, as_lowered=False)
         buckets = [c.nbytes for c in priced.collectives if c.deferred]
@@ -190,7 +190,7 @@ class SearchSpace:
     def lowered(self, strategies: Mapping[int, OpStrategy]
                 ) -> tuple[Mapping[int, OpStrategy], dict[int, Scatter]]:
         """``strategies`` as the lowering runs them, and the contractions it lowers by
-        reduce-scatter (ZeRO levels 1-2: ``scatter_plan.py``; else unchanged, none)."""
+        reduce-scatter (ZeRO levels 1-3: ``scatter_plan.py``; else unchanged, none)."""
         if self.optimizer_level not in LEVELS:
             return strategies, {}
         return lowered(self.graph, strategies, self.model.mesh)
