@@ -19,6 +19,9 @@ processes.  Out shardings and compiler options follow from the plan.  Under ``ja
 (more than one process) executables are neither stored nor loaded: each process compiles its own
 (an executable of a multi-process program is tied to the processes that compiled it).
 
+``deserialize_and_load`` unpickles the payload: the plan cache directory must be as trusted as
+the code that runs (written only by the user or their job).
+
 An executable file that cannot be read or loaded (truncated, another format or key, a backend
 that refuses it) is ignored with one :class:`JaxparWarning`; the program is lowered and compiled
 as without it, and the new executable replaces the file.  Files are written under a temporary
