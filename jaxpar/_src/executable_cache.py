@@ -53,12 +53,10 @@ once and hands the executable their leaves.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -71,7 +69,10 @@ from jaxpar._src.cache_key import static_key
 from jaxpar._src.compat import trace_context
 from jaxpar._src.dispatch import Retrace
 from jaxpar._src.errors import JaxparWarning, warn_once
-from jaxpar._src.plan_cache import _text  # reprs without object addresses, as for plans
+from jaxpar._src.plan_cache import (
+    _text,  # reprs without object addresses, as for plans
+    write_atomically,
+)
 
 FORMAT = b"jaxpar.executable/1\n"
 LOADED_NOTE = "executable loaded from the plan cache"  # in a loaded plan's last note
@@ -150,24 +151,8 @@ def store_executable(directory: str, key: ExecutableKey, compiled: Any, *, api: 
                   f"processes load the plan and compile it again.")
         return False
     header = json.dumps(key.description, sort_keys=True).encode() + b"\n"
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{key.plan_digest}.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(FORMAT + header + payload)
-        os.replace(tmp, key.path(directory))
-        tmp = None
-    except OSError as e:
-        warn_once(f"plan-cache-write:{directory}",
-                  f"{api}: cannot write to the plan cache {directory!r} ({e}); executables are "
-                  f"not kept there. Make the directory writable, or set "
-                  f"jaxpar.config.plan_cache_dir to another one (or None).")
-        return False
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    return True
+    return write_atomically(key.path(directory), FORMAT + header + payload, what="executables",
+                            api=api)
 
 
 def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: Any,

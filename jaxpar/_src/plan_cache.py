@@ -200,25 +200,36 @@ def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str,
     if choice is not None:
         entry["choice"] = choice
     text = json.dumps(entry)
+    if not write_atomically(key.path(directory), text.encode("utf-8"), what="plans", api=api):
+        return None
+    return _sha(text)
+
+
+def write_atomically(path: str, data: bytes, *, what: str, api: str) -> bool:
+    """Writes ``data`` to ``path`` in the plan cache under a temporary name, renamed into place
+    (a reader never sees half a file); a directory that cannot be written warns once (``what``
+    are not kept there) and the run goes on.  Whether it was written."""
+    directory = os.path.dirname(path)
     tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key.digest}.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, key.path(directory))
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
         tmp = None
     except OSError as e:
         warn_once(f"plan-cache-write:{directory}",
-                  f"{api}: cannot write to the plan cache {directory!r} ({e}); plans are not "
+                  f"{api}: cannot write to the plan cache {directory!r} ({e}); {what} are not "
                   f"kept there. Make the directory writable, or set jaxpar.config.plan_cache_dir "
                   f"to another one (or None).")
-        return None
+        return False
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return _sha(text)
+    return True
 
 
 def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:
