@@ -17,14 +17,6 @@ from jaxpar._src.executable_cache import LOADED_NOTE
 
 
 @pytest.fixture
-def cache_dir(tmp_path):
-    before = jaxpar.config.plan_cache_dir
-    jaxpar.config.update("plan_cache_dir", str(tmp_path / "plans"))
-    yield tmp_path / "plans"
-    jaxpar.config.update("plan_cache_dir", before)
-
-
-@pytest.fixture
 def lowerings(monkeypatch):
     """How many times jaxpar built a program to lower (its evaluator of the plan) and how many
     times XLA compiled one."""

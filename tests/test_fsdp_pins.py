@@ -23,8 +23,9 @@ def _fsdp(a) -> P:
     return P("dp") if a.ndim >= 2 and a.shape[0] % 8 == 0 else P()
 
 
-def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
-    mesh = jaxpar.make_mesh((8,), ("dp",))
+def fsdp_block_case():
+    """An Adam step of a transformer block with FSDP layouts pinned over 8 devices: the step,
+    its arguments, ``parallelize``'s options and the pinned (in, out) layouts."""
     params, x = models.init_block(jax.random.key(0), batch=8, seq=8, d=32, ff=64)
     tx = optax.adam(1e-3)
     opt_state = tx.init(params)
@@ -34,18 +35,24 @@ def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    pspec = jax.tree.map(_fsdp, params)
-    sspec = jax.tree.map(_fsdp, opt_state)
-    f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="semi_auto_parallel",
-                           in_strategy=(pspec, sspec, P("dp")), out_strategy=(pspec, sspec, P()))
+    pspec, sspec = jax.tree.map(_fsdp, params), jax.tree.map(_fsdp, opt_state)
+    layouts = ((pspec, sspec, P("dp")), (pspec, sspec, P()))
+    return step, (params, opt_state, x), dict(
+        mesh=jaxpar.make_mesh((8,), ("dp",)), parallel_mode="semi_auto_parallel",
+        in_strategy=layouts[0], out_strategy=layouts[1]), layouts
+
+
+def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
+    step, (params, opt_state, x), options, (ins, outs) = fsdp_block_case()
+    mesh = options["mesh"]
+    f = jaxpar.parallelize(step, **options)
     ours = f.lower(params, opt_state, x).compile()
 
     def named(tree):
         return jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
                             is_leaf=lambda s: isinstance(s, P))
 
-    theirs = jax.jit(step, in_shardings=named((pspec, sspec, P("dp"))),
-                     out_shardings=named((pspec, sspec, P()))).lower(
+    theirs = jax.jit(step, in_shardings=named(ins), out_shardings=named(outs)).lower(
                          params, opt_state, x).compile()
     ours_c, theirs_c = jaxpar.inspect.collectives(ours), jaxpar.inspect.collectives(theirs)
     assert ours_c.total_bytes() <= theirs_c.total_bytes(), (ours_c.table(), theirs_c.table())

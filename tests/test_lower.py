@@ -8,9 +8,7 @@ import re
 import sys
 
 import jax
-import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar._src import annotate, api, lower
@@ -135,22 +133,9 @@ def _gpt_case(annotate: bool):
 
 def _fsdp_case():
     """An Adam step of a transformer block with FSDP layouts pinned (tests/test_fsdp_pins.py)."""
-    params, x = models.init_block(jax.random.key(0), batch=8, seq=8, d=32, ff=64)
-    tx = optax.adam(1e-3)
-    opt_state = tx.init(params)
+    from tests.test_fsdp_pins import fsdp_block_case
 
-    def step(params, opt_state, x):
-        loss, grads = jax.value_and_grad(models.block_loss)(params, x)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    def fsdp(a):
-        return P("dp") if a.ndim >= 2 and a.shape[0] % 8 == 0 else P()
-
-    pspec, sspec = jax.tree.map(fsdp, params), jax.tree.map(fsdp, opt_state)
-    return step, (params, opt_state, x), dict(
-        mesh=jaxpar.make_mesh((8,), ("dp",)), parallel_mode="semi_auto_parallel",
-        in_strategy=(pspec, sspec, P("dp")), out_strategy=(pspec, sspec, P()))
+    return fsdp_block_case()[:3]
 
 
 def _mlp_case():

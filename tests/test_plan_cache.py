@@ -14,14 +14,6 @@ from jaxpar._src.plan_cache import HIT_NOTE
 
 
 @pytest.fixture
-def cache_dir(tmp_path):
-    before = jaxpar.config.plan_cache_dir
-    jaxpar.config.update("plan_cache_dir", str(tmp_path / "plans"))
-    yield tmp_path / "plans"
-    jaxpar.config.update("plan_cache_dir", before)
-
-
-@pytest.fixture
 def searches(monkeypatch):
     """How many times a search ran."""
     count = [0]
