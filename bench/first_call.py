@@ -152,8 +152,8 @@ def per_call_rows(quick: bool) -> list[dict]:
                 entry = pf.compiled_entry(*fn_args)
                 jaxpar.config.update("plan_cache_dir", None)
             assert entry.loaded is not None, entry.plan.notes[-1]
-            probe = _Probe(entry.loaded.compiled)  # the executable itself (on the leaves)
-            entry.loaded.compiled = probe
+            probe = _Probe(entry.loaded.run)  # the executable, through JAX's C++ dispatch
+            entry.loaded.run = probe
             reference = entry.jitted  # jax.jit of the same plan, compiled in this process
         else:
             pf = jaxpar.parallelize(fn, mesh=mesh, parallel_mode=mode)
@@ -181,9 +181,9 @@ def per_call_table(rows: list[dict]) -> list[str]:
              "built (for the executable loaded from the plan cache: against the jax.jit of the "
              "same plan compiled in the process); per-call time waited for, best of interleaved "
              "rounds; jaxpar's own = its Python before and after the jitted function (for the "
-             "loaded executable: the loaded jax.stages.Compiled, which jaxpar hands the "
-             "arguments' leaves, so its own time includes flattening them, which jax.jit does "
-             "inside), per call (best and median call).",
+             "loaded executable: before and after JAX's C++ dispatch of the loaded executable, "
+             "which flattens and checks the arguments as jax.jit's does), per call (best and "
+             "median call).",
              "",
              "| step | leaves | jaxpar us | jax.jit us | ratio | jaxpar's own us (best) | "
              "(median) |",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import jaxpar
+from jaxpar._src.executable_cache import flush
 
 
 @pytest.fixture
@@ -13,4 +14,5 @@ def cache_dir(tmp_path):
     before = jaxpar.config.plan_cache_dir
     jaxpar.config.update("plan_cache_dir", str(tmp_path / "plans"))
     yield tmp_path / "plans"
+    flush()  # executables still being written (in the background) go to this test's directory
     jaxpar.config.update("plan_cache_dir", before)

@@ -13,7 +13,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import api
-from jaxpar._src.executable_cache import LOADED_NOTE
+from jaxpar._src.executable_cache import LOADED_NOTE, flush
 
 
 @pytest.fixture
@@ -53,6 +53,7 @@ def _auto(mesh, **kwargs):
 
 
 def _executables(directory):
+    flush()  # the background write of the last first call
     return sorted(p for p in os.listdir(directory) if p.endswith(".xla"))
 
 
@@ -190,3 +191,107 @@ def test_a_loaded_executable_serves_only_its_static_values(cache_dir):
     np.testing.assert_array_equal(np.asarray(again(x, 3)), np.asarray(x) ** 3)
     np.testing.assert_array_equal(np.asarray(again(x, 2.0)), np.asarray(x) ** 2)
     assert again.plan(x, 2.0).input_layouts() == again.plan(x, 2).input_layouts()
+
+
+def test_the_loaded_fast_path_checks_only_calls_jax_dispatch_has_not_seen(cache_dir,
+                                                                          monkeypatch):
+    """The loaded executable runs through JAX's C++ dispatch: a call like the last one is not
+    flattened and checked in Python again; another tree, weak type, shape, dtype, static value
+    or JAX configuration is refused (Retrace: the full path plans it) as jax.jit would retrace
+    it, and tracers go to the jitted function."""
+    from jaxpar._src.dispatch import Retrace
+    from jaxpar._src.executable_cache import Loaded
+
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def scale(x, s, n):
+        return x * s * n
+
+    def make():
+        return jaxpar.parallelize(scale, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8,), ()), static_argnums=2)
+
+    x, s = jnp.ones(16), jnp.float32(2)
+    make()(x, s, 3)
+    loaded = make().compiled_entry(x, s, 3).loaded
+    assert loaded is not None
+    checks = []
+    original = Loaded._check
+    monkeypatch.setattr(loaded, "_check", lambda *a: (checks.append(1), original(loaded, *a)))
+    assert loaded.run is not loaded._checked  # JAX's C++ dispatch is there
+    fast = loaded
+    x = jax.device_put(x, make().compiled_entry(x, s, 3).in_shardings[0])
+    np.testing.assert_array_equal(np.asarray(fast(x, s, 3)), np.full(16, 6.0))
+    np.testing.assert_array_equal(np.asarray(fast(x, jnp.float32(4), 3)), np.full(16, 12.0))
+    assert len(checks) <= 1  # the second call was the C++ cache's
+    refused = [(x, 2.0, 3),  # a weakly typed scalar
+               ((x,), s, 3),  # another tree
+               (jnp.ones(8), s, 3),  # another shape
+               (x.astype(jnp.bfloat16), s, 3),  # another dtype
+               (x, s, 4)]  # another static value
+    for args in refused:
+        with pytest.raises(Retrace):
+            fast(*args)
+    with jax.default_matmul_precision("highest"), pytest.raises(Retrace):
+        fast(x, s, 3)  # another JAX configuration: jax.jit traces anew in it too
+    # tracers (inside another transformation) go to the jitted function
+    grad = jax.grad(lambda v: fast(v, s, 3).sum())(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.full(16, 6.0))
+
+
+def test_the_executable_is_written_in_the_background_and_a_second_process_loads_it(cache_dir):
+    """A script whose only call is the first exits after its background write: the next
+    process loads the executable."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import jax
+        jax.config.update("jax_num_cpu_devices", 8)  # as conftest.py: part of the key
+        import jaxpar
+        from tests.test_executable_cache import _args, _auto
+        jaxpar.config.update("plan_cache_dir", {str(cache_dir)!r})
+        _auto(jaxpar.make_mesh((2, 4), ("dp", "mp")))(*_args())  # and the process exits
+    """)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(jaxpar.__file__)),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    assert len(_executables(cache_dir)) == 1
+    assert not [p for p in os.listdir(cache_dir) if p.endswith(".tmp")]
+    again = _auto(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+    args = _args()
+    np.testing.assert_allclose(np.asarray(again(*args)), np.asarray(_mlp(*args)), rtol=1e-5,
+                               atol=1e-5)
+    assert LOADED_NOTE in again.plan(*args).notes[-1]
+
+
+def test_old_executables_of_a_plan_are_pruned(cache_dir, monkeypatch):
+    """Each LIBTPU_INIT_ARGS (part of the executable's key, not the plan's) adds an executable
+    beside the same plan entry; only the KEEP_PER_PLAN most recent stay, the newest loads."""
+    from jaxpar._src import executable_cache
+
+    monkeypatch.setattr(executable_cache, "KEEP_PER_PLAN", 2)
+    mesh = jaxpar.make_mesh((8,), ("d",))
+    args = (jnp.ones((16, 4)), jnp.full((16, 4), 0.5))
+
+    def make():
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8, 1), (8, 1)))
+
+    made = []
+    for i in range(4):
+        monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--jaxpar_test_{i}")
+        make()(*args)
+        made.append(_executables(cache_dir))
+    assert [len(m) for m in made] == [1, 2, 2, 2]
+    assert len({p.split(".")[0] for p in made[-1]}) == 1  # one plan entry
+    written = [(set(m) - set().union(*made[:i])).pop() for i, m in enumerate(made)]
+    assert set(made[-1]) == set(written[-2:])  # the two most recent
+    again = make()
+    again(*args)  # the newest (LIBTPU_INIT_ARGS as now) is kept and loads
+    assert LOADED_NOTE in again.plan(*args).notes[-1]
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--jaxpar_test_0")  # pruned: compiled again
+    first = make()
+    first(*args)
+    assert LOADED_NOTE not in first.plan(*args).notes[-1]

@@ -29,13 +29,13 @@ from jaxpar._src.executable_cache import (
     LOADED_NOTE,
     ExecutableKey,
     Loaded,
+    call_in_tree,
     compile_to_keep,
     dynamic_tree,
     executable_key,
-    flat_in_tree,
     load_executable,
     storable,
-    store_executable,
+    store_in_background,
 )
 from jaxpar._src.execution import pynative
 from jaxpar._src.gcpause import paused_gc
@@ -218,8 +218,8 @@ class Parallelized:
             return  # called inside a transformation: no executable of its own to keep
         directory, key = entry.pending.pop()
         compiled = compile_to_keep(entry.jitted.lower(*abstract))
-        if compiled is not None:
-            store_executable(directory, key, compiled, api=self._info.api)
+        if compiled is not None:  # serialized and written while the call runs the step
+            store_in_background(directory, key, compiled, api=self._info.api)
 
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
                 ) -> list:
@@ -348,8 +348,8 @@ class Parallelized:
                     platform=mesh.devices.flat[0].platform)
                 tree = dynamic_tree(args, info.static_argnums)
                 compiled = load_executable(
-                    cache_dir, exec_key, flat_in_tree(tree), program.out_tree,
-                    list(mesh.devices.flat), api=info.api) if hit else None
+                    cache_dir, exec_key, call_in_tree(args, info.static_argnums),
+                    program.out_tree, list(mesh.devices.flat), api=info.api) if hit else None
                 if compiled is None:
                     pending.append((cache_dir, exec_key))
                 else:

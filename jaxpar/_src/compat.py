@@ -263,3 +263,57 @@ def call_closed_jaxpr(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, name: s
         params[key] = value
     params.update(jaxpr=closed, name=name)
     return list(jcore.primitives.jit_p.bind(*args, **params))
+
+
+def checked_cpp_call(compiled: Any, check: Any) -> Any | None:
+    """``compiled`` (a ``jax.stages.Compiled``) called through JAX's C++ dispatch, as
+    ``Compiled.__call__`` is (``MeshExecutable.create_cpp_call`` in JAX 0.10), but with
+    ``check(*args)`` run first on every call the C++ cache does not know: the C++ cache keys on
+    the arguments' tree and every leaf's shape, dtype, weak type and sharding, and on JAX's jit
+    context, so a call it serves is one ``check`` has already passed, and a call it does not
+    know is checked in Python (``check`` raises to refuse it).  ``None`` where this JAX's
+    internals differ (the caller then checks every call itself)."""
+    try:
+        from jax._src import core, dtypes, sharding_impls, stages, tree_util
+        from jax._src.interpreters import pxla
+        from jax._src.lib import xla_client as xc
+
+        executable, params = compiled._executable, compiled._params
+        if not (isinstance(executable, pxla.MeshExecutable)
+                and isinstance(executable.unsafe_call, pxla.ExecuteReplicated)
+                and not executable.unsafe_call.has_unordered_effects
+                and not executable.unsafe_call.has_host_callbacks
+                and not params.is_high and not getattr(executable, "_mut", None)):
+            return None
+        params = params._replace(const_args=executable.shard_const_args(params.const_args))
+        cache_keys, registry, shard_arg = (pxla.JitGlobalCppCacheKeys(),
+                                           tree_util.dispatch_registry, pxla.cc_shard_arg)
+        fastpath_data, reflatten = pxla.MeshExecutableFastpathData, \
+            pxla.reflatten_outputs_for_dispatch
+        call, array_impl, pjit = stages.Compiled.call, xc.ArrayImpl, xc._xla.pjit
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another JAX
+        return None
+
+    def cache_miss(*args: Any) -> Any:
+        check(*args)
+        outs, out_flat, args_flat = call(params, *args)
+        out_flat, out_tree = reflatten(params.out_tree, out_flat)
+        if not all(isinstance(x, array_impl) for x in out_flat):
+            return outs, None, False
+        kept = [i in executable._kept_var_idx
+                for i in range(len(params.const_args) + len(args_flat))]
+        in_shardings = [
+            sharding_impls.physical_sharding(a, s)
+            if a is not core.abstract_token and dtypes.issubdtype(a.dtype, dtypes.extended)
+            else s for s, a in zip(executable._in_shardings, executable.in_avals, strict=True)]
+        data = fastpath_data(
+            executable.xla_executable, out_tree, in_shardings, executable._out_shardings,
+            [o.aval for o in out_flat], [o._committed for o in out_flat], kept,
+            executable._dispatch_in_layouts, params.const_args)
+        return outs, data, False
+
+    try:
+        return pjit(executable.unsafe_call.name, None, cache_miss, [], [], cache_keys, registry,
+                    shard_arg)
+    except TypeError:  # pragma: no cover - another signature
+        return None
