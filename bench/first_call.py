@@ -230,12 +230,14 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
     jax.monitoring.register_event_listener(count)
     row: dict = {"kind": kind, "layers": layers}
     if kind == "jaxpar":
-        from jaxpar._src import api, trace
+        from jaxpar._src import api, executable_cache, trace
 
         spent: dict[str, float] = {}  # where the trace and the plan cache's time goes
         _timed(trace._Builder, "build", spent, "graph")
         _timed(api, "trace", spent, "trace")
         _timed(api, "plan_cache_key", spent, "key")
+        _timed(api, "_place_all", spent, "place")  # the arguments moved to the plan's layouts
+        _timed(executable_cache, "store_executable", spent, "store")  # a background thread
         jaxpar.config.update("plan_cache_dir", plan_dir)
         t0 = time.perf_counter()
         pf = jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel")
@@ -244,9 +246,12 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
         events.clear()  # what JAX records from here on is the lowering and compile
         jax.block_until_ready(pf(*args))  # lower, compile, run
         t2 = time.perf_counter()
+        executable_cache.flush()  # what the process waits for at exit: the background write
         plan = entry.plan
         row.update(first_call_s=t2 - t0, trace_s=entry.timings["trace"],
                    plan_s=entry.timings["search"], call_s=t2 - t1,
+                   place_s=spent.get("place", 0.0), store_s=spent.get("store", 0.0),
+                   write_wait_s=time.perf_counter() - t2,
                    exec_s=entry.timings.get("executable", 0.0),
                    make_jaxpr_s=spent.get("trace", 0.0) - spent.get("graph", 0.0),
                    graph_s=spent.get("graph", 0.0), key_s=spent.get("key", 0.0),
@@ -273,7 +278,12 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
                          out_shardings=shardings(out_tree, specs["out"]))
         jax.block_until_ready(jitted(*args))
         row.update(first_call_s=time.perf_counter() - t0)
+        row.update(rest_s=row["first_call_s"] - sum(events.get(k, 0.0) for k in (
+            "jax_trace_s", "to_mlir_s", "xla_compile_s")))
     row.update(events)
+    if kind == "jaxpar":  # the call less placing, lowering and XLA's compile: running the step
+        row["rest_s"] = row["call_s"] - row["place_s"] - sum(events.get(k, 0.0) for k in (
+            "jax_trace_s", "to_mlir_s", "xla_compile_s"))
     row["xla_cache"] = counts
     return row
 
@@ -502,9 +512,10 @@ def _pair(layers: int, run: int, ours: dict, jit: dict, repeat: int, jit_first: 
             "xla_cache": ours.get("xla_cache", {}), "jit_xla_cache": jit.get("xla_cache", {}),
             "phases": {k: ours.get(k, 0.0) for k in (
                 "trace_s", "make_jaxpr_s", "graph_s", "key_s", "plan_s", "exec_s", "call_s",
-                "jax_trace_s", "to_mlir_s", "xla_compile_s")},
+                "jax_trace_s", "to_mlir_s", "xla_compile_s", "place_s", "rest_s", "store_s",
+                "write_wait_s")},
             "jit_phases": {k: jit.get(k, 0.0) for k in (
-                "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
+                "jax_trace_s", "to_mlir_s", "xla_compile_s", "rest_s")}}
 
 
 def first_call_rows(sizes: list[int], repeats: int = 3) -> list[dict]:
@@ -575,14 +586,21 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "plan (search, or plan cache, key included), executable (loading the executable "
              "kept in the plan cache), lower (JAX's trace of the jitted function + StableHLO), "
              "XLA compile, call (from the plan to the result: placing the arguments, lowering, "
-             "compiling and running); seconds. compile ratio: jaxpar's XLA compile over "
-             "jax.jit's, median of the repeats' ratios.", "",
+             "compiling and running) and of it: place (the arguments moved to the plan's "
+             "layouts), rest (the call less place, lower and XLA compile: JAX's dispatch and "
+             "the step's run); write: serializing and writing the executable into the plan "
+             "cache, in a background thread while the step runs (after it: what the process "
+             "still waited for at the end); jit's rest: jax.jit's first call less its trace, "
+             "lowering and XLA compile (placing the arguments, dispatch, the step's run); "
+             "seconds. compile ratio: jaxpar's XLA compile over jax.jit's, median of the "
+             "repeats' ratios.", "",
              "| layers | ops | run | repeats | jaxpar s | jax.jit s | ratio (range) | "
              "run 2 / run 1 | plan cache | trace (jaxpr + graph) | key | plan | executable | "
-             "lower | XLA compile | call | jit's XLA compile | compile ratio | "
-             "XLA cache hit/miss | jit's hit/miss |",
+             "lower | XLA compile | call | place | rest | write (waited after) | "
+             "jit's XLA compile | jit's rest | compile ratio | XLA cache hit/miss | "
+             "jit's hit/miss |",
              "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|"
-             "---:|---:|---|---|"]
+             "---:|---:|---|---:|---:|---:|---|---|"]
     for r in _median_rows(rows):
         p, j = r["phases"], r["jit_phases"]
         again = f"{r['again']:.2f}" if r["again"] is not None else ""
@@ -593,8 +611,9 @@ def first_call_table(rows: list[dict]) -> list[str]:
             f"{' + executable' if r['exec_loaded'] else ''} | {p['trace_s']:.1f} "
             f"({p['make_jaxpr_s']:.1f} + {p['graph_s']:.1f}) | {p['key_s']:.2f} | "
             f"{p['plan_s']:.1f} | {p['exec_s']:.2f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
-            f"{p['xla_compile_s']:.2f} | {p['call_s']:.1f} | {j['xla_compile_s']:.2f} | "
-            f"{r['compile_ratio']:.2f} | "
+            f"{p['xla_compile_s']:.2f} | {p['call_s']:.1f} | {p['place_s']:.2f} | "
+            f"{p['rest_s']:.2f} | {p['store_s']:.2f} ({p['write_wait_s']:.2f}) | "
+            f"{j['xla_compile_s']:.2f} | {j['rest_s']:.2f} | {r['compile_ratio']:.2f} | "
             f"{_hits(r['xla_cache'])} | {_hits(r['jit_xla_cache'])} |")
     return lines
 
