@@ -278,8 +278,6 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
                          out_shardings=shardings(out_tree, specs["out"]))
         jax.block_until_ready(jitted(*args))
         row.update(first_call_s=time.perf_counter() - t0)
-        row.update(rest_s=row["first_call_s"] - sum(events.get(k, 0.0) for k in (
-            "jax_trace_s", "to_mlir_s", "xla_compile_s")))
     row.update(events)
     if kind == "jaxpar":  # the call less placing, lowering and XLA's compile: running the step
         row["rest_s"] = row["call_s"] - row["place_s"] - sum(events.get(k, 0.0) for k in (
@@ -515,7 +513,7 @@ def _pair(layers: int, run: int, ours: dict, jit: dict, repeat: int, jit_first: 
                 "jax_trace_s", "to_mlir_s", "xla_compile_s", "place_s", "rest_s", "store_s",
                 "write_wait_s")},
             "jit_phases": {k: jit.get(k, 0.0) for k in (
-                "jax_trace_s", "to_mlir_s", "xla_compile_s", "rest_s")}}
+                "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
 
 
 def first_call_rows(sizes: list[int], repeats: int = 3) -> list[dict]:
@@ -590,17 +588,14 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "layouts), rest (the call less place, lower and XLA compile: JAX's dispatch and "
              "the step's run); write: serializing and writing the executable into the plan "
              "cache, in a background thread while the step runs (after it: what the process "
-             "still waited for at the end); jit's rest: jax.jit's first call less its trace, "
-             "lowering and XLA compile (placing the arguments, dispatch, the step's run); "
-             "seconds. compile ratio: jaxpar's XLA compile over jax.jit's, median of the "
-             "repeats' ratios.", "",
+             "still waited for at the end); seconds. compile ratio: jaxpar's XLA compile over "
+             "jax.jit's, median of the repeats' ratios.", "",
              "| layers | ops | run | repeats | jaxpar s | jax.jit s | ratio (range) | "
              "run 2 / run 1 | plan cache | trace (jaxpr + graph) | key | plan | executable | "
              "lower | XLA compile | call | place | rest | write (waited after) | "
-             "jit's XLA compile | jit's rest | compile ratio | XLA cache hit/miss | "
-             "jit's hit/miss |",
+             "jit's XLA compile | compile ratio | XLA cache hit/miss | jit's hit/miss |",
              "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|"
-             "---:|---:|---|---:|---:|---:|---|---|"]
+             "---:|---:|---|---:|---:|---|---|"]
     for r in _median_rows(rows):
         p, j = r["phases"], r["jit_phases"]
         again = f"{r['again']:.2f}" if r["again"] is not None else ""
@@ -613,7 +608,7 @@ def first_call_table(rows: list[dict]) -> list[str]:
             f"{p['plan_s']:.1f} | {p['exec_s']:.2f} | {p['jax_trace_s'] + p['to_mlir_s']:.1f} | "
             f"{p['xla_compile_s']:.2f} | {p['call_s']:.1f} | {p['place_s']:.2f} | "
             f"{p['rest_s']:.2f} | {p['store_s']:.2f} ({p['write_wait_s']:.2f}) | "
-            f"{j['xla_compile_s']:.2f} | {j['rest_s']:.2f} | {r['compile_ratio']:.2f} | "
+            f"{j['xla_compile_s']:.2f} | {r['compile_ratio']:.2f} | "
             f"{_hits(r['xla_cache'])} | {_hits(r['jit_xla_cache'])} |")
     return lines
 

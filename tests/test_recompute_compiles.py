@@ -17,6 +17,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import api
+from jaxpar._src.executable_cache import LOADED_NOTE
 from jaxpar._src.plan_cache import HIT_NOTE
 from tests.test_recompute import BATCH, LAYERS, D, F, block, make_step
 
@@ -165,7 +166,8 @@ def test_the_plan_cache_keeps_the_choice(data, climbed, cache_dir, monkeypatch):
         plan = second.plan(params, x)
     assert plan.notes[-1].startswith(HIT_NOTE) and searches[0] == 0
     assert _choice(plan) == _choice(first) and plan.decisions == first.decisions
-    assert len(compiles) == 1, compiles  # the chosen program only: no rung below it
+    # the chosen rung's executable, kept by the first run: nothing lowered, nothing compiled
+    assert compiles == [] and LOADED_NOTE in plan.notes[-1], plan.notes[-1]
     _close(got, want)
     other = _auto(climbed["mesh"])
     with _budget(0.9 * climbed["peak0"]):  # another budget: another key, the ladder again
@@ -173,8 +175,8 @@ def test_the_plan_cache_keeps_the_choice(data, climbed, cache_dir, monkeypatch):
     assert not plan.notes[-1].startswith(HIT_NOTE) and searches[0] == _rungs_tried(plan) == 2
     assert _choice(plan) == ("dots", "none", "none")
     # The roomy first call's entry, its choice spoilt: ignored with a warning, and replaced.
-    (entry,) = [e for e in cache_dir.iterdir()
-                if json.loads(e.read_text())["choice"] == ["none"] * LAYERS]
+    (entry,) = [e for e in cache_dir.iterdir() if e.suffix == ".json"
+                and json.loads(e.read_text())["choice"] == ["none"] * LAYERS]
     entry.write_text(entry.read_text().replace('"choice": ["none", "none", "none"]',
                                                '"choice": ["some"]'))
     with _budget(1e12), pytest.warns(jaxpar.JaxparWarning, match="recompute choice.*some"):

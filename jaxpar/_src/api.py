@@ -157,6 +157,8 @@ class Parallelized:
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
         self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
         self._rungs: dict[Any, Rung] = {}  # recompute choices planned and compiled
+        # id(rung) -> its executable, where XLA compiled it here (not JAX's persistent cache)
+        self._rung_executables: dict[int, Any] = {}
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -310,8 +312,8 @@ class Parallelized:
         if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
             # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py),
             # kept in the plan cache with the plan
-            program, batch, plan, rung = self._recompute_choice(args, settings, names,
-                                                                signature, layers, program, batch)
+            program, batch, plan, rung, key, text_sha, hit = self._recompute_choice(
+                args, settings, names, signature, layers, program, batch)
         elif cache_dir and not settings.ckpt_load and \
                 settings.mode is not ParallelMode.STAND_ALONE:
             key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
@@ -334,6 +336,13 @@ class Parallelized:
         if rung is not None:  # the chosen rung's jitted function, its executable compiled
             flat_in = rung.in_shardings  # (lowering reads plan.decisions)
             build = _given(rung.jitted)
+            kept = self._rung_executables.get(id(rung))  # XLA compiled it in this process
+            if cache_dir and key is not None and text_sha is not None and storable() and \
+                    kept is not None:  # kept beside the entry the choice is stored in
+                store_in_background(cache_dir, executable_key(
+                    key.digest, text_sha, signature=signature,
+                    donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
+                    platform=mesh.devices.flat[0].platform), kept, api=info.api)
         else:
             in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                          for n in program.graph.inputs]
@@ -399,11 +408,12 @@ class Parallelized:
                           signature: tuple, layers: list[str], base: TracedProgram,
                           base_batch: tuple[int, ...] | None
                           ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan,
-                                     Rung | None]:
+                                     Rung | None, CacheKey | None, str | None, bool]:
         """The first rung of the recompute ladder whose compiled peak fits the budget: its
         program, batch arguments, plan, and the rung (whose jitted function is compiled).
         With a plan cache, a stored choice is traced and its plan loaded instead (no rung);
-        ``base`` is the program traced with nothing recomputed."""
+        ``base`` is the program traced with nothing recomputed.  Then the plan cache entry's
+        key, the SHA-256 of its text (``None`` without one) and whether it was read (a hit)."""
         info = self._info
         budget = float(settings.hardware.memory_per_device or 0.0)  # filled from the preset
         cache_dir, entry_key = config.plan_cache_dir, None
@@ -415,7 +425,8 @@ class Parallelized:
             hit = self._cached_choice(args, settings, names, layers, base, base_batch,
                                       cache_dir, entry_key)
             if hit is not None:
-                return (*hit, None)
+                program, batch, plan, sha = hit
+                return program, batch, plan, None, entry_key, sha, True
         free = dataclasses.replace(settings, hardware=dataclasses.replace(
             settings.hardware, memory_per_device=float("inf")))
 
@@ -438,11 +449,15 @@ class Parallelized:
                 jitted = self._jit(program, plan, settings.mesh, settings, arrivals, signature)
                 # Lowered from the arguments as the call places them, so that the call's
                 # jax.jit finds this lowering and executable in its caches: no second compile.
-                compiled = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
-                                                    _abstract)).compile()
+                lowered = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
+                                                   _abstract))
+                keep = compile_to_keep(lowered)  # None: JAX's persistent cache served it
+                compiled = keep if keep is not None else lowered.compile()  # (now in memory)
                 self._rungs[key] = Rung(policies, program, batch, plan,
                                         float(inspect_memory(compiled)["total"]),
                                         inspect_flops(compiled), jitted, flat_in)
+                if keep is not None:  # what the plan cache may keep (compile_to_keep)
+                    self._rung_executables[id(self._rungs[key])] = keep
             return self._rungs[key]
 
         levels: dict[int, str] = {}
@@ -478,17 +493,19 @@ class Parallelized:
                       f"choice (tried first at each rung: off, level1, level3)",)
         plan = dataclasses.replace(chosen.plan, notes=chosen.plan.notes + notes
                                    + remat_notes(chosen.program.graph))
+        text_sha = None
         if entry_key is not None and cache_dir:
-            store_cached(cache_dir, entry_key, plan, api=info.api, choice=list(chosen.policies))
-        return chosen.program, chosen.batch, plan, chosen
+            text_sha = store_cached(cache_dir, entry_key, plan, api=info.api,
+                                    choice=list(chosen.policies))
+        return chosen.program, chosen.batch, plan, chosen, entry_key, text_sha, False
 
     def _cached_choice(self, args: tuple, settings: Settings, names: list[str],
                        layers: list[str], base: TracedProgram,
                        base_batch: tuple[int, ...] | None, cache_dir: str, key: CacheKey
-                       ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan] | None:
+                       ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan, str] | None:
         """The recompute choice and plan stored under ``key``: the program traced with the
-        stored policies (one trace; none when nothing is recomputed) and the plan loaded for
-        it; ``None`` when there is no usable entry."""
+        stored policies (one trace; none when nothing is recomputed), the plan loaded for
+        it and the SHA-256 of the entry's text; ``None`` when there is no usable entry."""
         api = self._info.api
         entry = read_entry(cache_dir, key, api=api)
         if entry is None:
@@ -502,7 +519,7 @@ class Parallelized:
             if len(seen) != len(layers):  # the ladder says why
                 return None
         plan = entry_plan(entry, key.path(cache_dir), program.graph, api=api)
-        return None if plan is None else (program, batch, plan)
+        return None if plan is None else (program, batch, plan, entry[TEXT_SHA])
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None) -> ShardingPlan:
