@@ -295,3 +295,19 @@ def test_old_executables_of_a_plan_are_pruned(cache_dir, monkeypatch):
     first = make()
     first(*args)
     assert LOADED_NOTE not in first.plan(*args).notes[-1]
+
+
+def test_prune_keeps_the_most_recent_and_removes_a_killed_writers_old_temporary(tmp_path):
+    from jaxpar._src.executable_cache import prune
+
+    names = [f"plan.{i}.xla" for i in range(6)] + ["other.0.xla", ".plan.5.xla.abc.tmp",
+                                                    ".plan.6.xla.def.tmp"]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))  # written in this order, long ago
+    os.utime(tmp_path / ".plan.6.xla.def.tmp")  # being written now
+    gone = prune(str(tmp_path), "plan", keep=2)
+    assert sorted(os.path.basename(p) for p in gone) == sorted(
+        [f"plan.{i}.xla" for i in range(4)] + [".plan.5.xla.abc.tmp"])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["plan.4.xla", "plan.5.xla", "other.0.xla", ".plan.6.xla.def.tmp"])

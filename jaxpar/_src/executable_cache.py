@@ -64,6 +64,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -84,6 +85,7 @@ FORMAT = b"jaxpar.executable/1\n"
 LOADED_NOTE = "executable loaded from the plan cache"  # in a loaded plan's last note
 _SKIP_CONFIG = ("cache", "log", "explain")  # jax.config values that do not change a program
 KEEP_PER_PLAN = 4  # executables kept beside one plan entry (prune): the most recently used
+_STALE_TMP_NS = 3600 * 10**9  # a temporary file this old is a killed process's (prune)
 _writing: list[threading.Thread] = []  # background writes not yet joined (store_in_background)
 _writing_lock = threading.Lock()
 
@@ -206,19 +208,27 @@ def prune(directory: str, plan_digest: str, keep: int | None = None) -> list[str
     """Deletes all but the ``keep`` (default :data:`KEEP_PER_PLAN`) most recently written or
     loaded executables of the plan entry ``plan_digest`` (the others were compiled for another
     JAX configuration, ``XLA_FLAGS``, ``donate_argnums``, ...: each such change adds one, and
-    without a bound they would pile up beside the entry).  The paths deleted."""
+    without a bound they would pile up beside the entry), and the entry's temporary files
+    older than an hour (left by a process killed while it wrote).  The paths deleted."""
     keep = KEEP_PER_PLAN if keep is None else keep
     prefix = f"{plan_digest}."
-    found = []
+    found, stale = [], []
+    now = time.time_ns()
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
+            path = os.path.join(directory, name)
             if name.startswith(prefix) and name.endswith(".xla"):
-                path = os.path.join(directory, name)
                 with contextlib.suppress(OSError):
                     found.append((os.stat(path).st_mtime_ns, path))
+            elif name.startswith(f".{prefix}") and name.endswith(".tmp"):
+                # the temporary file of a write whose process was killed (SIGKILL) before the
+                # rename; one being written now is younger than _STALE_TMP_NS
+                with contextlib.suppress(OSError):
+                    if now - os.stat(path).st_mtime_ns > _STALE_TMP_NS:
+                        stale.append(path)
     found.sort(reverse=True)
     gone = []
-    for _, path in found[keep:]:
+    for _, path in found[keep:] + [(0, p) for p in stale]:
         with contextlib.suppress(OSError):
             os.unlink(path)
             gone.append(path)
