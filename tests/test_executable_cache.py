@@ -104,6 +104,7 @@ def test_a_corrupt_executable_warns_once_and_is_compiled_and_replaced(cache_dir,
     assert len([w for w in caught if issubclass(w.category, jaxpar.JaxparWarning)]) == 1
     assert lowerings["evaluator"] == 1  # the normal path: lowered and compiled
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    flush()  # the background write of the new executable
     assert path.read_bytes() != data[:len(data) // 2]  # replaced by a good one
     lowerings.update(evaluator=0, compile=0)
     np.testing.assert_array_equal(np.asarray(_auto(mesh)(*args)), np.asarray(want))

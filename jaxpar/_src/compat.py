@@ -286,30 +286,33 @@ def checked_cpp_call(compiled: Any, check: Any) -> Any | None:
                 and not params.is_high and not getattr(executable, "_mut", None)):
             return None
         params = params._replace(const_args=executable.shard_const_args(params.const_args))
-        cache_keys, registry, shard_arg = (pxla.JitGlobalCppCacheKeys(),
-                                           tree_util.dispatch_registry, pxla.cc_shard_arg)
+        # What the C++ fast path needs, as create_cpp_call builds it (fixed per executable)
+        in_shardings = [
+            sharding_impls.physical_sharding(a, s)
+            if a is not core.abstract_token and dtypes.issubdtype(a.dtype, dtypes.extended)
+            else s for s, a in zip(executable._in_shardings, executable.in_avals, strict=True)]
+        kept = [i in executable._kept_var_idx
+                for i in range(len(params.const_args) + len(executable.in_avals))]
+        fixed = (executable.xla_executable, executable._out_shardings,
+                 executable._dispatch_in_layouts)
         fastpath_data, reflatten = pxla.MeshExecutableFastpathData, \
             pxla.reflatten_outputs_for_dispatch
         call, array_impl, pjit = stages.Compiled.call, xc.ArrayImpl, xc._xla.pjit
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another JAX
+        cache_keys, registry, shard_arg = (pxla.JitGlobalCppCacheKeys(),
+                                           tree_util.dispatch_registry, pxla.cc_shard_arg)
+    except (ImportError, AttributeError, TypeError, ValueError):  # pragma: no cover - another JAX
         return None
 
     def cache_miss(*args: Any) -> Any:
         check(*args)
         outs, out_flat, args_flat = call(params, *args)
         out_flat, out_tree = reflatten(params.out_tree, out_flat)
-        if not all(isinstance(x, array_impl) for x in out_flat):
-            return outs, None, False
-        kept = [i in executable._kept_var_idx
-                for i in range(len(params.const_args) + len(args_flat))]
-        in_shardings = [
-            sharding_impls.physical_sharding(a, s)
-            if a is not core.abstract_token and dtypes.issubdtype(a.dtype, dtypes.extended)
-            else s for s, a in zip(executable._in_shardings, executable.in_avals, strict=True)]
-        data = fastpath_data(
-            executable.xla_executable, out_tree, in_shardings, executable._out_shardings,
-            [o.aval for o in out_flat], [o._committed for o in out_flat], kept,
-            executable._dispatch_in_layouts, params.const_args)
+        if len(args_flat) != len(executable.in_avals) or not all(
+                isinstance(x, array_impl) for x in out_flat):
+            return outs, None, False  # run, but not for the C++ cache
+        data = fastpath_data(fixed[0], out_tree, in_shardings, fixed[1],
+                             [o.aval for o in out_flat], [o._committed for o in out_flat],
+                             kept, fixed[2], params.const_args)
         return outs, data, False
 
     try:
