@@ -194,12 +194,15 @@ def test_a_loaded_executable_serves_only_its_static_values(cache_dir):
     assert again.plan(x, 2.0).input_layouts() == again.plan(x, 2).input_layouts()
 
 
+@pytest.mark.parametrize("cpp", [True, False], ids=["jax-cpp-dispatch", "python-checks"])
 def test_the_loaded_fast_path_checks_only_calls_jax_dispatch_has_not_seen(cache_dir,
-                                                                          monkeypatch):
+                                                                          monkeypatch, cpp):
     """The loaded executable runs through JAX's C++ dispatch: a call like the last one is not
     flattened and checked in Python again; another tree, weak type, shape, dtype, static value
     or JAX configuration is refused (Retrace: the full path plans it) as jax.jit would retrace
-    it, and tracers go to the jitted function."""
+    it, and tracers go to the jitted function.  The same where the C++ dispatch is not
+    available (another JAX): every call checked in Python."""
+    from jaxpar._src import executable_cache
     from jaxpar._src.dispatch import Retrace
     from jaxpar._src.executable_cache import Loaded
 
@@ -214,17 +217,23 @@ def test_the_loaded_fast_path_checks_only_calls_jax_dispatch_has_not_seen(cache_
 
     x, s = jnp.ones(16), jnp.float32(2)
     make()(x, s, 3)
-    loaded = make().compiled_entry(x, s, 3).loaded
-    assert loaded is not None
     checks = []
     original = Loaded._check
-    monkeypatch.setattr(loaded, "_check", lambda *a: (checks.append(1), original(loaded, *a)))
-    assert loaded.run is not loaded._checked  # JAX's C++ dispatch is there
-    fast = loaded
-    x = jax.device_put(x, make().compiled_entry(x, s, 3).in_shardings[0])
+
+    def counted(self, *args):
+        checks.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(Loaded, "_check", counted)  # before the Loaded takes its bound method
+    if not cpp:
+        monkeypatch.setattr(executable_cache, "checked_cpp_call", lambda *a: None)
+    entry = make().compiled_entry(x, s, 3)
+    fast = entry.loaded
+    assert fast is not None and (fast.run != fast._checked) == cpp
+    x = jax.device_put(x, entry.in_shardings[0])
     np.testing.assert_array_equal(np.asarray(fast(x, s, 3)), np.full(16, 6.0))
     np.testing.assert_array_equal(np.asarray(fast(x, jnp.float32(4), 3)), np.full(16, 12.0))
-    assert len(checks) <= 1  # the second call was the C++ cache's
+    assert len(checks) == (1 if cpp else 2)  # with C++ dispatch the second call is its hit
     refused = [(x, 2.0, 3),  # a weakly typed scalar
                ((x,), s, 3),  # another tree
                (jnp.ones(8), s, 3),  # another shape
