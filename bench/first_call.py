@@ -17,7 +17,9 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
    compilation cache (``jax_compilation_cache_dir``) filled by the first; jaxpar's phases
    (trace = make_jaxpr + graph build, the plan cache's key, plan, loading the executable kept
    in the plan cache, lower = JAX's trace of the jitted function and its StableHLO, XLA
-   compile, the call) from ``jax.monitoring``'s compile events and the plan's own timings.
+   compile, the call and of it placing the arguments and the rest: dispatch and the step's run;
+   the executable's background write and what the process waited for it after the call) from
+   ``jax.monitoring``'s compile events and the plan's own timings.
 
 3. **phases** (``--phases``), each size in a fresh process: jaxpar's own time per phase on the
    same GPT step at 24, 96 and 192 layers (``--layers``), and each phase's seconds per layer
