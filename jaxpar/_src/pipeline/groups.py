@@ -100,13 +100,15 @@ def row_groups(*, graph: OpGraph, plan: ShardingPlan, layer: Any, carried_in: Se
     firsts = {spec(v).dims[0] if spec(v).ndim else () for v in row_values}
     axes = next(iter(firsts)) if len(firsts) == 1 else None
     if axes is None:
-        return RowGroups((), 1, None, None, (), "weight gradients reduced per micro-batch: the "
+        act = spec(row_values[0])
+        seen = act.dims[0] if act.ndim else ()
+        return RowGroups(seen, mesh.product(seen), None, None, (), "per micro-batch: the "
                          "stage's inputs split their rows over different axes")
     if not axes:
         return RowGroups((), 1, None, None, (), "the micro-batch's rows are not split: no "
                          "data-parallel gradient reduction")
     size = mesh.product(axes)
-    per = f"weight gradients reduced over {'+'.join(axes)} per micro-batch"
+    per = "per micro-batch"
     if rows % size:
         return RowGroups(axes, size, None, None, (), f"{per}: {rows} rows do not split into "
                          f"{size} groups")
@@ -129,14 +131,13 @@ def row_groups(*, graph: OpGraph, plan: ShardingPlan, layer: Any, carried_in: Se
     if isinstance(why, str):
         return RowGroups(axes, size, None, None, (), f"{per}: {why}")
     if any(v not in rest and v not in stacked for v in why):
-        return RowGroups(axes, size, None, None, (), f"{per}: the layers read a value stretched "
-                         f"over the rows that is not a weight")
+        return RowGroups(axes, size, None, None, (), f"{per}: the layers read a value "
+                         f"stretched over the rows that is not a weight")
     cuts = tuple(("w", stacked.index(v), e, n) if v in stacked else ("r", rest.index(v), e, n)
                  for v, (e, n) in why.items())
     return RowGroups(axes, size, small, _without(plan, small, axes), cuts,
-                     f"weight gradients summed per {'+'.join(axes)} group in the loop, reduced "
-                     f"over {'+'.join(axes)} once after it ({size} groups of {rows // size} "
-                     f"rows; the layers never mix rows of two groups)")
+                     f"summed per {'+'.join(axes)} group in the loop ({size} groups of "
+                     f"{rows // size} rows; the layers never mix rows of two groups)")
 
 
 def _without(plan: ShardingPlan, small: OpGraph, axes: tuple[str, ...]) -> ShardingPlan:
