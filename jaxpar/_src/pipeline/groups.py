@@ -64,7 +64,7 @@ class RowGroups:
       plan: the stage plan's layouts for ``graph``, without ``axes``.
       cuts: ``(kind, i, dim, n)``: the unstacked (``kind`` ``"r"``) or stacked (``"w"``)
         weight ``i`` is stretched over the rows along ``dim`` (a causal mask broadcast over
-        the batch); each group reads its first ``n`` entries.
+        the batch); each group reads its own ``n`` entries, those of its rows.
       why: one line for ``explain()``: grouped, or why not.
     """
 
@@ -225,7 +225,7 @@ def _mixes_rows(graph: OpGraph, small: OpGraph, layer: Any, seeds: dict[int, Row
 
 def _row_broadcast(graph: OpGraph, small: OpGraph, vid: int) -> tuple[int, int] | None:
     """A value made outside the layer by broadcasting along a dimension the row count sizes
-    (a causal mask stretched over the batch): the same along it, so each group reads its first
+    (a causal mask stretched over the batch): the same along it, so each group may read its own
     ``small`` entries.  ``(dimension, entries)``, or ``None`` if it is not such a value."""
     big, little = graph.values[vid].shape, small.values[vid].shape
     diff = [e for e, (a, b) in enumerate(zip(big, little, strict=True)) if a != b]

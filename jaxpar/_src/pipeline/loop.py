@@ -82,7 +82,10 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
     carried_specs = [program.spec(v) for v in program.carried_in]
     groups = program.groups if backward and program.groups.on else None
     if groups is not None:  # the gradient accumulators: [v, G, k, ...], G on the row axes
-        w_local = [Spec(((), groups.axes) + strip(sp, groups.axes).dims[1:]) for sp in w_local]
+        stretched = {i for kind, i, _, _ in groups.cuts if kind == "w"}  # per row: no G
+        w_local = [sp if j in stretched else
+                   Spec(((), groups.axes) + strip(sp, groups.axes).dims[1:])
+                   for j, sp in enumerate(w_local)]
 
     def body(weights: list, rest: list, batch: list) -> Any:
         s = jax.lax.axis_index(AXIS)
@@ -110,7 +113,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 "ct": buf(carried0, tables.ct_slots, carried_specs),
                 "in_ct": [_filled(a, fill) for a in carried0],
                 "res": buf(res.stored, tables.res_slots, res.specs),
-                "g_w": [ctx.grad_zeros(w) for w in weights],
+                "g_w": [ctx.grad_zeros(j, w) for j, w in enumerate(weights)],
                 "g_rest": [jnp.zeros_like(r) for r in rest],
                 "g_batch": [jnp.zeros_like(b) for b in batch],
             }
@@ -173,6 +176,10 @@ class _Tick:
             p = self.program
             self.gpieces = Pieces(p, graph=self.groups.graph, plan=self.groups.plan)
             self.batch_specs = [p.spec(v) for v in p.batch]
+            # values stretched over the rows (a causal mask broadcast over the batch): each
+            # group reads its own rows of them, so their gradients need no sum over groups
+            self.w_cuts = {i: dim + 1 for kind, i, dim, _ in self.groups.cuts if kind == "w"}
+            self.r_cuts = [(i, dim) for kind, i, dim, _ in self.groups.cuts if kind == "r"]
 
     def tick(self, c: dict, row: dict, has_f: bool, has_b: bool) -> dict:
         c = dict(c)
@@ -247,21 +254,20 @@ class _Tick:
         """The chunk as a function of what is differentiated: ``f(w, x, r, b)``; per row group
         (``jax.vmap`` over the groups) when grouped, its arguments from :meth:`_inputs`."""
         if self.groups is not None:
-            gp, axes, cuts = self.gpieces, self.groups.axes, self.groups.cuts
+            gp, axes, r_cuts = self.gpieces, self.groups.axes, self.r_cuts
             batch_g = self._group(batch_m, self.batch_specs)
 
             def f_groups(w: list, x: list, r: list, b: list) -> list:
-                r, w = _merge(self.rest, r), list(w)
-                for kind, i, dim, n in cuts:  # a mask stretched over the rows:
-                    if kind == "r":  # the same along it; each group reads its first rows
-                        r[i] = jax.lax.slice_in_dim(r[i], 0, n, axis=dim)
-                    else:  # [G, k, ...]
-                        w[i] = jax.lax.slice_in_dim(w[i], 0, n, axis=dim + 2)
+                r = _merge(self.rest, r)
+                own = [self._regroup(r[i], dim) for i, dim in r_cuts]
 
-                def one(w: list, x: list, b: list, whole: list) -> list:
-                    return gp.chunk(w, active, x, r, _merge(whole, b))
+                def one(w: list, x: list, b: list, whole: list, own: list) -> list:
+                    rr = list(r)
+                    for (i, _), v in zip(r_cuts, own, strict=True):
+                        rr[i] = v
+                    return gp.chunk(w, active, x, rr, _merge(whole, b))
 
-                return jax.vmap(one, spmd_axis_name=axes)(w, x, b, batch_g)
+                return jax.vmap(one, spmd_axis_name=axes)(w, x, b, batch_g, own)
 
             return f_groups
         pieces = self.pieces
@@ -278,8 +284,9 @@ class _Tick:
         if self.groups is None:
             return list(w_c), list(x), _floats(batch_m)
         G = self.groups.size
-        w_b = [_constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
-               for w, sp in zip(w_c, self._group_w_specs(), strict=True)]
+        w_b = [self._regroup(w, self.w_cuts[j]) if j in self.w_cuts else
+               _constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
+               for j, (w, sp) in enumerate(zip(w_c, self._group_w_specs(), strict=True))]
         return (w_b, self._group(x, self.carried_specs),
                 _floats(self._group(batch_m, self.batch_specs)))
 
@@ -301,14 +308,28 @@ class _Tick:
             out.append(_constrain(self.pieces, g, Spec((axes, ()) + sp.dims[1:])))
         return out
 
+    def _regroup(self, x: Any, dim: int) -> Any:
+        """A value stretched over the rows along ``dim``: ``[G, ..., rows / G, ...]``, each
+        group its own rows (where they lie: no data moves)."""
+        assert self.groups is not None
+        G = self.groups.size
+        shape = tuple(x.shape)
+        x = jnp.reshape(x, shape[:dim] + (G, shape[dim] // G) + shape[dim + 1:])
+        return jnp.moveaxis(x, dim, 0)
+
+    def _unregroup(self, x: Any, dim: int) -> Any:
+        x = jnp.moveaxis(x, 0, dim)
+        shape = tuple(x.shape)
+        return jnp.reshape(x, shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:])
+
     def _ungroup(self, xs: Sequence[Any]) -> list:
         if self.groups is None:
             return list(xs)
         return [jnp.reshape(x, (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in xs]
 
-    def grad_zeros(self, w: Any) -> Any:
-        """A stacked weight's gradient accumulator (``w``: this stage's ``[v, k, ...]``)."""
-        if self.groups is None:
+    def grad_zeros(self, j: int, w: Any) -> Any:
+        """Stacked weight ``j``'s gradient accumulator (``w``: this stage's ``[v, k, ...]``)."""
+        if self.groups is None or j in self.w_cuts:
             return jnp.zeros_like(w)
         return jnp.zeros((w.shape[0], self.groups.size) + tuple(w.shape[1:]), w.dtype)
 
@@ -317,7 +338,7 @@ class _Tick:
         row axes a step makes for them."""
         if self.groups is None:
             return gs
-        return [jnp.sum(g, axis=1) for g in gs]
+        return [g if j in self.w_cuts else jnp.sum(g, axis=1) for j, g in enumerate(gs)]
 
     def _chunk_forward(self, w_c: list, act_c: Any, x: list, batch_m: list) -> tuple:
         """The chunk's output and the residual leaves its backward needs."""
@@ -405,7 +426,11 @@ class _Tick:
         ct_in = self._group(ct, self.carried_specs) if grouped else list(ct)
         b_all = self._group(batch_m, self.batch_specs) if grouped else batch_m
         g_w, ct_x, g_r, ct_b = pull(_floats_like(ct_in))
-        return (_dense(g_w, w_in), self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest),
+        g_w = _dense(g_w, w_in)
+        if grouped:
+            g_w = [self._unregroup(g, self.w_cuts[j]) if j in self.w_cuts else g
+                   for j, g in enumerate(g_w)]
+        return (g_w, self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest),
                 self._ungroup(_dense(ct_b, b_all)))
 
     def _pullback(self, f: Callable, w_c: list, stored: list, b_floats: list) -> Any:
