@@ -188,7 +188,7 @@ def table(rows: list[dict]) -> list[str]:
              "",
              "All-reduce over dp: KiB per device a step (loop trip counts included), of it "
              "inside the loop, and the plan's prediction for the stage weight gradients "
-             "(`plan.pipeline.gradient_reduction`; reduced once after the loop).",
+             "(`plan.pipeline.gradient_reduction`).",
              "",
              "| schedule | temp MiB | ticks | bubble | (S-1)/(vM+S-1) | in flight per stage | "
              "collective-permutes | all-reduce over dp KiB (in loop; predicted) | compile s |",
