@@ -62,6 +62,27 @@ def test_a_chunk_that_mixes_rows_keeps_the_per_micro_batch_reduction():
     assert sum(r.count * r.nbytes for r in found) == red.step_bytes
 
 
+def test_a_mask_stretched_over_the_rows_is_read_per_group():
+    def loss(w, x):
+        keep = jnp.broadcast_to(jnp.arange(8) < 6, x.shape)  # made once, read by every layer
+        for i in range(4):
+            x = jnp.where(keep, jnp.tanh(x @ w[i]), 0.0)  # (0.0: a zero block per layer)
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    red = pipe.gradient_reduction
+    assert red.once, red
+    # the mask (unstacked) and the zeros (stacked per layer) are [rows, 8]: each group reads
+    # its own rows of them where they lie, so nothing but the gradients' one all-reduce over dp
+    assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [(1, red.step_bytes)]
+    assert not [r for r in colls if r.axes == ("dp",) and r.kind == "all-gather"], colls.table()
+
+
 def test_layouts_inside_a_group_drop_the_row_axes():
     mesh = MeshShape(("dp", "tp"), (2, 2))
     assert _fit(Spec((("dp", "tp"), ())), (2, 8), mesh, ("dp",)) == Spec((("tp",), ()))
