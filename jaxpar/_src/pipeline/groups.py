@@ -168,7 +168,11 @@ def _fit(spec: Spec, shape: Sequence[int], mesh: MeshShape, drop: tuple[str, ...
 
 
 def strip(spec: Spec, drop: tuple[str, ...]) -> Spec:
-    """``spec`` without the mesh axes ``drop``."""
+    """``spec`` without the mesh axes ``drop``.
+
+    >>> str(strip(Spec((("dp", "tp"), ())), ("dp",)))
+    '[tp, -]'
+    """
     return Spec(tuple(tuple(a for a in d if a not in drop) for d in spec.dims))
 
 

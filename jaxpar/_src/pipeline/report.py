@@ -41,6 +41,8 @@ class PipelinePlan:
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
+      gradient_reduction: how the stacked weights' gradients are reduced over the
+        data-parallel axes (:class:`GradientReduction`; ``None`` if the rows are not split).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> def loss(w, x):
@@ -54,6 +56,8 @@ class PipelinePlan:
     ...     pipe = step.plan(jnp.ones((4, 8, 8)), jnp.ones((16, 8))).pipeline
     >>> pipe.layers, pipe.split.counts, round(pipe.unit_timeline.bubble_fraction, 3)
     (4, (2, 2), 0.2)
+    >>> pipe.gradient_reduction.once, pipe.gradient_reduction.axes  # once a step, over dp
+    (True, ('dp',))
     """
 
     config: PipelineConfig
