@@ -8,8 +8,9 @@ compiled program: per-device temporaries (``compiled.memory_analysis().temp_size
 activations, residual slots and buffers of the step; arguments and results are the weights and
 gradients, the same for every schedule), the collective-permutes over ``pp``, and from the plan:
 ticks, the simulated timeline's bubble fraction (unit costs: forward 1, backward 2 per stage) and
-the micro-batch chunks in flight per stage.  The unpipelined step on the same mesh (the batch on
-all 8 devices) is the reference line.
+the micro-batch chunks in flight per stage, and the bytes all-reduced over ``dp`` a step (in
+the loop and in all; the plan's prediction for the stage weight gradients).  The unpipelined
+step on the same mesh (the batch on all 8 devices) is the reference line.
 
 A second table trains the same GPT with Adam under 1F1B, the blocks' weights per layer (laid
 out by the step's plan) against stacked by stage (``PipelineCell.stack``): per-device argument
@@ -76,7 +77,11 @@ def _measure(step, params, batch) -> dict:
     mem = compiled.memory_analysis()
     colls = jaxpar.inspect.collectives(compiled)
     permutes = [c for c in colls if c.kind == "collective-permute"]
-    return {"temp_bytes": int(mem.temp_size_in_bytes),
+    over_dp = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and c.axes
+               and "dp" in c.axes]
+    return {"dp_reduce_bytes": sum(c.nbytes * c.count for c in over_dp),
+            "dp_reduce_in_loop_bytes": sum(c.nbytes * c.count for c in over_dp if c.count > 1),
+            "temp_bytes": int(mem.temp_size_in_bytes),
             "argument_bytes": int(mem.argument_size_in_bytes),
             "output_bytes": int(mem.output_size_in_bytes),
             "permutes": sum(c.count for c in permutes),
@@ -109,7 +114,9 @@ def rows(quick: bool = False) -> list[dict]:
                        bubble_unit=pipe.unit_timeline.bubble_fraction,
                        bubble_model=pipe.timeline.bubble_fraction,
                        in_flight=list(pipe.schedule.in_flight()),
-                       split=list(pipe.split.counts))
+                       split=list(pipe.split.counts),
+                       grad_reduce_once=pipe.gradient_reduction.once,
+                       grad_reduce_predicted=pipe.gradient_reduction.step_bytes)
             out.append(row)
             print(f"pipeline {name}: temp {row['temp_bytes'] / 2**20:.2f} MiB, "
                   f"compile {row['compile_s']:.1f}s", flush=True)
@@ -179,20 +186,26 @@ def table(rows: list[dict]) -> list[str]:
              "residual slots, buffers); bubble: the simulated timeline with a stage's forward "
              "1 and backward 2; in flight: micro-batch chunks a stage holds residuals of.",
              "",
+             "All-reduce over dp: KiB per device a step (loop trip counts included), of it "
+             "inside the loop, and the plan's prediction for the stage weight gradients "
+             "(`plan.pipeline.gradient_reduction`).",
+             "",
              "| schedule | temp MiB | ticks | bubble | (S-1)/(vM+S-1) | in flight per stage | "
-             "collective-permutes | compile s |",
-             "|---|---:|---:|---:|---:|---|---|---:|"]
+             "collective-permutes | all-reduce over dp KiB (in loop; predicted) | compile s |",
+             "|---|---:|---:|---:|---:|---|---|---|---:|"]
     for r in rows:
+        dp = f"{r['dp_reduce_bytes'] / 2**10:.1f} ({r['dp_reduce_in_loop_bytes'] / 2**10:.1f}"
         if "ticks" not in r:
             lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | - | - | - | - | "
-                         f"{r['permutes']} | {r['compile_s']:.1f} |")
+                         f"{r['permutes']} | {dp}) | {r['compile_s']:.1f} |")
             continue
+        dp += f"; {r['grad_reduce_predicted'] / 2**10:.1f})"
         v = 2 if "v=2" in r["schedule"] else 1
         formula = 3 / (v * 16 + 3)
         axes = "+".join(r["permute_axes"])
         lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | {r['ticks']} | "
                      f"{r['bubble_unit']:.3f} | {formula:.3f} | {r['in_flight']} | "
-                     f"{r['permutes']} over {axes} | {r['compile_s']:.1f} |")
+                     f"{r['permutes']} over {axes} | {dp} | {r['compile_s']:.1f} |")
     return lines
 
 

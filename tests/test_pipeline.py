@@ -4,6 +4,7 @@ filled with NaN), with its collective-permutes over ``pp`` in the compiled HLO."
 
 from __future__ import annotations
 
+import math
 import sys
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src.pipeline.layers import find_layers
+from jaxpar._src.pipeline.report import GradientReduction
 from jaxpar._src.pipeline.schedule import PipelineSchedule, Task
 from jaxpar._src.pipeline.slots import SlotTables
 from jaxpar._src.pipeline.split import choose_split
@@ -210,6 +212,13 @@ def test_pipelined_step_equals_unpipelined_with_nan_bubbles(config):
     assert {r.axes for r in permutes} == {("pp",)}
     v = 2 if config.get("pipeline_interleave") else 1
     assert plan.pipeline.unit_timeline.bubble_fraction == pytest.approx(1 / (v * 4 + 1))
+    # the layers keep rows apart: a stage's weight gradients are summed per dp group in the
+    # loop and all-reduced over dp once, after it, as predicted (per micro-batch, 10 runs)
+    red = plan.pipeline.gradient_reduction
+    assert red.once and red.axes == ("dp",), red
+    weight_grads = [r for r in colls.of("all-reduce") if r.axes == ("dp",)
+                    and any(sh.endswith("8,8]") for sh in r.shapes)]
+    assert [(r.count, r.nbytes) for r in weight_grads] == [(1, red.step_bytes)], colls.table()
 
 
 def test_marked_stages_pipeline_and_an_undifferentiated_loss_runs_forwards_only():
@@ -316,6 +325,26 @@ def test_gpt_train_step_on_dp_tp_pp_with_model_train(tmp_path):
     # the search uses the tp axis too (at this size as more data parallelism: XLA reduces
     # the gradients over dp and tp together)
     assert any(r.axes and "tp" in r.axes for r in colls), colls.table()
+    # the blocks' weight gradients are reduced over the row axes once, after the loop; inside
+    # it only the embedding's and the head's (the prologue's and epilogue's) and the loss
+    cell = next(v for k, v in model._steps.items() if isinstance(k, tuple) and k[0] == "pipeline")
+    program = cell.last_program
+    red = GradientReduction.of(program)
+    assert red.once and "dp" in red.axes, red
+    assert [r for r in colls.of("all-reduce") if r.count == 1 and r.axes == red.axes
+            and r.nbytes == red.step_bytes], colls.table()
+    # (sizes, not shapes: XLA reshapes; per layer, the q/k/v/out kernels alone are 16 x 16)
+    unstacked = {1, *(math.prod(program.graph.values[v].shape) for v in program.rest)}
+    in_loop = [r for r in colls.of("all-reduce") if r.count > 1 and r.axes and "pp" not in r.axes]
+    assert 256 not in unstacked
+    assert in_loop and all(math.prod(_dims(sh)) in unstacked for r in in_loop
+                           for sh in r.shapes), (unstacked, colls.table())
+
+
+def _dims(hlo_shape):
+    """``"f32[16,64]"`` -> ``(16, 64)``."""
+    inside = hlo_shape[hlo_shape.index("[") + 1:hlo_shape.index("]")]
+    return tuple(int(d) for d in inside.split(",") if d)
 
 
 # -- stacked layer weights -------------------------------------------------------------------------

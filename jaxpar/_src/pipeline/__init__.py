@@ -9,6 +9,7 @@ The pieces, in the order a pipelined loss goes through them::
     schedule.py  GPipe / circular / 1F1B as tick tables, their simulated timeline
     slots.py     buffer slots for activations, cotangents and residuals between ticks
     pieces.py    one chunk of layers, the prologue and the epilogue, replayed from the graph
+    groups.py    the chunks per data-parallel row group: weight gradients reduced once a step
     loop.py      the tick loop inside shard_map: forward, backward (jax.vjp), ppermute
     program.py   everything above for one signature: the PipelineProgram
     tracing.py   what a parallelize call tells the PipelineCells it traces

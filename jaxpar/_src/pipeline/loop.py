@@ -21,6 +21,12 @@ slot, so nothing a bubble holds reaches a result: tests fill bubbles with NaN to
 ``scan`` runs each phase of the table (GPipe: forwards, then backwards; 1F1B: warm-up, steady
 state, cool-down) with only the code that phase needs.  Weight gradients stay on their stage;
 the loss and the gradients of the unstacked weights are summed over ``"pp"`` at the end.
+
+Where ``groups.py`` proves the layers keep the rows of a micro-batch apart, a chunk's forward
+and backward run under ``jax.vmap`` over the data-parallel row groups with the weights broadcast
+per group, and a stage accumulates per-group weight gradients ``[v, G, k, ...]``: summed over
+the groups (one all-reduce over the row axes) after the loop, not once per micro-batch in it.
+The prologue's and epilogue's gradients (embedding, head) are still reduced per micro-batch.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar._src.pipeline.config import AXIS
+from jaxpar._src.pipeline.groups import RowGroups, strip
 from jaxpar._src.pipeline.pieces import Pieces, is_float
 from jaxpar._src.pipeline.slots import SlotTables
 from jaxpar._src.spec import Spec
@@ -73,6 +80,12 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
     w_local = [Spec(((), ()) + program.spec(program.rep_layer.weights[j]).dims)
                for j in program.stacked]
     carried_specs = [program.spec(v) for v in program.carried_in]
+    groups = program.groups if backward and program.groups.on else None
+    if groups is not None:  # the gradient accumulators: [v, G, k, ...], G on the row axes
+        stretched = {i for kind, i, _, _ in groups.cuts if kind == "w"}  # per row: no G
+        w_local = [sp if j in stretched else
+                   Spec(((), groups.axes) + strip(sp, groups.axes).dims[1:])
+                   for j, sp in enumerate(w_local)]
 
     def body(weights: list, rest: list, batch: list) -> Any:
         s = jax.lax.axis_index(AXIS)
@@ -86,8 +99,10 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                     for a, sp in zip(shapes, specs, strict=True)]
 
         res = _Residuals()
+        ctx = _Tick(pieces, program, weights, active, rest, batch, s, res, scale,
+                    recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs, groups)
         if backward:
-            _probe(pieces, res, weights, active, carried0, rest, batch, recompute)
+            _probe(ctx, carried0)
         carry: dict[str, Any] = {
             "act": buf(carried0, tables.act_slots, carried_specs),
             "in_act": [_filled(a, fill) for a in carried0],
@@ -98,12 +113,10 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 "ct": buf(carried0, tables.ct_slots, carried_specs),
                 "in_ct": [_filled(a, fill) for a in carried0],
                 "res": buf(res.stored, tables.res_slots, res.specs),
-                "g_w": [jnp.zeros_like(w) for w in weights],
+                "g_w": [ctx.grad_zeros(j, w) for j, w in enumerate(weights)],
                 "g_rest": [jnp.zeros_like(r) for r in rest],
                 "g_batch": [jnp.zeros_like(b) for b in batch],
             }
-        ctx = _Tick(pieces, program, weights, active, rest, batch, s, res, scale,
-                    recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs)
         for start, stop, has_f, has_b in tables.phases():
             xs = {k: v[start:stop] for k, v in rows.items()}
 
@@ -117,7 +130,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
             return loss
         g_rest = [jax.lax.psum(g, AXIS) for g in carry["g_rest"]]
         g_batch = [jax.lax.psum(g, AXIS) for g in carry["g_batch"]]
-        g_w = [g[None] for g in carry["g_w"]]
+        g_w = [g[None] for g in ctx.grad_sums(carry["g_w"])]
         return loss, g_w, g_rest, g_batch
 
     n_w = len(program.stacked)
@@ -156,6 +169,17 @@ class _Tick:
     bwd_perm: list
     w_local: list
     carried_specs: list
+    groups: RowGroups | None = None  # run the chunks per row group (groups.py)
+
+    def __post_init__(self) -> None:
+        if self.groups is not None:
+            p = self.program
+            self.gpieces = Pieces(p, graph=self.groups.graph, plan=self.groups.plan)
+            self.batch_specs = [p.spec(v) for v in p.batch]
+            # values stretched over the rows (a causal mask broadcast over the batch): each
+            # group reads its own rows of them, so their gradients need no sum over groups
+            self.w_cuts = {i: dim + 1 for kind, i, dim, _ in self.groups.cuts if kind == "w"}
+            self.r_cuts = [(i, dim) for kind, i, dim, _ in self.groups.cuts if kind == "r"]
 
     def tick(self, c: dict, row: dict, has_f: bool, has_b: bool) -> dict:
         c = dict(c)
@@ -227,6 +251,25 @@ class _Tick:
                                                                 strict=True)]
 
     def _chunk_fn(self, active: Any, batch_m: list) -> Callable:
+        """The chunk as a function of what is differentiated: ``f(w, x, r, b)``; per row group
+        (``jax.vmap`` over the groups) when grouped, its arguments from :meth:`_inputs`."""
+        if self.groups is not None:
+            gp, axes, r_cuts = self.gpieces, self.groups.axes, self.r_cuts
+            batch_g = self._group(batch_m, self.batch_specs)
+
+            def f_groups(w: list, x: list, r: list, b: list) -> list:
+                r = _merge(self.rest, r)
+                own = [self._regroup(r[i], dim) for i, dim in r_cuts]
+
+                def one(w: list, x: list, b: list, whole: list, own: list) -> list:
+                    rr = list(r)
+                    for (i, _), v in zip(r_cuts, own, strict=True):
+                        rr[i] = v
+                    return gp.chunk(w, active, x, rr, _merge(whole, b))
+
+                return jax.vmap(one, spmd_axis_name=axes)(w, x, b, batch_g, own)
+
+            return f_groups
         pieces = self.pieces
 
         def f(w: list, x: list, r: list, b: list) -> list:
@@ -234,13 +277,77 @@ class _Tick:
 
         return f
 
+    def _inputs(self, w_c: list, x: list, batch_m: list) -> tuple[list, list, list]:
+        """The chunk function's weights, carried values and floating batch inputs: per row
+        group when grouped (the weights broadcast to ``[G, ...]``, so that each group's weight
+        gradient comes back on its own)."""
+        if self.groups is None:
+            return list(w_c), list(x), _floats(batch_m)
+        G = self.groups.size
+        w_b = [self._regroup(w, self.w_cuts[j]) if j in self.w_cuts else
+               _constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
+               for j, (w, sp) in enumerate(zip(w_c, self._group_w_specs(), strict=True))]
+        return (w_b, self._group(x, self.carried_specs),
+                _floats(self._group(batch_m, self.batch_specs)))
+
+    def _group_w_specs(self) -> list[Spec]:
+        # the accumulators' specs [v, G, k, ...] less v
+        return [Spec(sp.dims[1:]) for sp in self.w_local]
+
+    def _group(self, xs: Sequence[Any], specs: Sequence[Spec]) -> list:
+        """``[rows, ...] -> [G, rows / G, ...]``: group ``g`` the rows device ``g`` of the row
+        axes holds (the same bytes, no data moves)."""
+        assert self.groups is not None
+        axes, G = self.groups.axes, self.groups.size
+        out: list[Any] = []
+        for x, sp in zip(xs, specs, strict=True):
+            if x is None:
+                out.append(None)
+                continue
+            g = jnp.reshape(x, (G, x.shape[0] // G) + tuple(x.shape[1:]))
+            out.append(_constrain(self.pieces, g, Spec((axes, ()) + sp.dims[1:])))
+        return out
+
+    def _regroup(self, x: Any, dim: int) -> Any:
+        """A value stretched over the rows along ``dim``: ``[G, ..., rows / G, ...]``, each
+        group its own rows (where they lie: no data moves)."""
+        assert self.groups is not None
+        G = self.groups.size
+        shape = tuple(x.shape)
+        x = jnp.reshape(x, shape[:dim] + (G, shape[dim] // G) + shape[dim + 1:])
+        return jnp.moveaxis(x, dim, 0)
+
+    def _unregroup(self, x: Any, dim: int) -> Any:
+        x = jnp.moveaxis(x, 0, dim)
+        shape = tuple(x.shape)
+        return jnp.reshape(x, shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:])
+
+    def _ungroup(self, xs: Sequence[Any]) -> list:
+        if self.groups is None:
+            return list(xs)
+        return [jnp.reshape(x, (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])) for x in xs]
+
+    def grad_zeros(self, j: int, w: Any) -> Any:
+        """Stacked weight ``j``'s gradient accumulator (``w``: this stage's ``[v, k, ...]``)."""
+        if self.groups is None or j in self.w_cuts:
+            return jnp.zeros_like(w)
+        return jnp.zeros((w.shape[0], self.groups.size) + tuple(w.shape[1:]), w.dtype)
+
+    def grad_sums(self, gs: list) -> list:
+        """The accumulated gradients, summed over the row groups: the one reduction over the
+        row axes a step makes for them."""
+        if self.groups is None:
+            return gs
+        return [g if j in self.w_cuts else jnp.sum(g, axis=1) for j, g in enumerate(gs)]
+
     def _chunk_forward(self, w_c: list, act_c: Any, x: list, batch_m: list) -> tuple:
         """The chunk's output and the residual leaves its backward needs."""
         if self.recompute:
             y = self.pieces.chunk(w_c, act_c, x, self.rest, batch_m)
             return self._carried(y), list(x)
-        y, pull = jax.vjp(self._chunk_fn(act_c, batch_m), w_c, x, _floats(self.rest),
-                          _floats(batch_m))
+        w_in, x_in, b_in = self._inputs(w_c, x, batch_m)
+        y, pull = jax.vjp(self._chunk_fn(act_c, batch_m), w_in, x_in, _floats(self.rest), b_in)
+        y = self._ungroup(y)
         leaves = jax.tree.leaves(pull)
         stored = [leaves[i] for i, (kind, _) in enumerate(self.res.kinds) if kind == "store"]
         stored = [_constrain(self.pieces, v, sp) for v, sp in zip(stored, self.res.specs,
@@ -310,23 +417,31 @@ class _Tick:
                         ) -> tuple:
         f = self._chunk_fn(act_c, batch_m)
         if self.recompute:
-            _, pull = jax.vjp(f, w_c, list(stored), _floats(self.rest), _floats(batch_m))
+            w_in, x_in, b_in = self._inputs(w_c, list(stored), batch_m)
+            _, pull = jax.vjp(f, w_in, x_in, _floats(self.rest), b_in)
         else:
-            pull = self._pullback(f, w_c, stored, batch_m)
-        g_w, ct_x, g_r, ct_b = pull(_floats_like(ct))
-        return (_dense(g_w, w_c), _dense(ct_x, ct), _dense(g_r, self.rest),
-                _dense(ct_b, batch_m))
+            w_in, _, b_in = self._inputs(w_c, [None] * len(ct), batch_m)
+            pull = self._pullback(f, w_in, stored, b_in)
+        grouped = self.groups is not None
+        ct_in = self._group(ct, self.carried_specs) if grouped else list(ct)
+        b_all = self._group(batch_m, self.batch_specs) if grouped else batch_m
+        g_w, ct_x, g_r, ct_b = pull(_floats_like(ct_in))
+        g_w = _dense(g_w, w_in)
+        if grouped:
+            g_w = [self._unregroup(g, self.w_cuts[j]) if j in self.w_cuts else g
+                   for j, g in enumerate(g_w)]
+        return (g_w, self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest),
+                self._ungroup(_dense(ct_b, b_all)))
 
-    def _pullback(self, f: Callable, w_c: list, stored: list, batch_m: list) -> Any:
+    def _pullback(self, f: Callable, w_c: list, stored: list, b_floats: list) -> Any:
         """The forward's pullback, its leaves from the slots, the weights, the batch, or
         recomputed (those that depend on no activation: XLA keeps only what they need)."""
         kinds = self.res.kinds
         again: list = []
         if any(k == "recompute" for k, _ in kinds):
             x0 = [jnp.zeros(a.shape, a.dtype) for a in self.res.x_avals]
-            again = jax.tree.leaves(jax.vjp(f, w_c, x0, _floats(self.rest),
-                                            _floats(batch_m))[1])
-        sources = {"w": w_c, "r": _floats(self.rest), "b": _floats(batch_m)}
+            again = jax.tree.leaves(jax.vjp(f, w_c, x0, _floats(self.rest), b_floats)[1])
+        sources = {"w": w_c, "r": _floats(self.rest), "b": b_floats}
         it = iter(stored)
         leaves = []
         for i, (kind, j) in enumerate(kinds):
@@ -339,23 +454,26 @@ class _Tick:
         return jax.tree.unflatten(self.res.treedef, leaves)
 
 
-def _probe(pieces: Pieces, res: _Residuals, weights: list, active: Any, carried0: Any,
-           rest: list, batch: list, recompute: bool) -> None:
+def _probe(tick: _Tick, carried0: Any) -> None:
     """Traces one chunk's forward to learn its pullback's leaves: which are the weights or
     the batch (taken live in the backward), which depend on the activation or the batch
     (stored), and which on neither (recomputed)."""
+    pieces, res, rest = tick.pieces, tick.res, tick.rest
     res.x_avals = list(carried0)
-    if recompute:
+    if tick.recompute:
         res.stored = list(carried0)
         res.specs = [pieces.spec(v) for v in pieces.p.carried_in]
         return
-    w0 = [w[0] for w in weights]
-    a0 = active[0]
-    batch_m = [b[0] for b in batch]
+    a0 = tick.active[0]
+    batch_m = [b[0] for b in tick.batch]
+    w0, x_in, b_in = tick._inputs([w[0] for w in tick.weights],
+                                  [jnp.zeros(a.shape, a.dtype) for a in carried0], batch_m)
+    res.x_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in x_in]
+    chunk = tick._chunk_fn(a0, batch_m)
 
     def leaves_of(w: list, x: list, r: list, b: list) -> list:
         def f(w: list, x: list, rr: list, bb: list) -> list:
-            return pieces.chunk(w, a0, x, _merge(rest, rr), _merge(batch_m, bb))
+            return chunk(w, x, _merge(rest, rr), bb)
 
         _, pull = jax.vjp(f, w, x, r, b)
         leaves, res.treedef = jax.tree.flatten(pull)
@@ -367,9 +485,9 @@ def _probe(pieces: Pieces, res: _Residuals, weights: list, active: Any, carried0
         res.kinds = [ids.get(id(leaf), ("?", -1)) for leaf in leaves]
         return leaves
 
-    x0 = [jnp.zeros(a.shape, a.dtype) for a in carried0]
+    x0 = [jnp.zeros(a.shape, a.dtype) for a in res.x_avals]
     floats_r = _floats(rest)
-    closed = jax.make_jaxpr(leaves_of)(w0, x0, floats_r, _floats(batch_m))
+    closed = jax.make_jaxpr(leaves_of)(w0, x0, floats_r, b_in)
     n_w, n_x = len(w0), len(x0)
     n_r = len(jax.tree.leaves(floats_r))
     invars = closed.jaxpr.invars

@@ -36,10 +36,12 @@ from jaxpar._src.spec import Spec
 class Pieces:
     """Callables over lists of arrays for one :class:`PipelineProgram` (``program.py``)."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: Any, *, graph: Any = None, plan: Any = None) -> None:
+        """``graph`` and ``plan``: another trace of the loss and its layouts (the same
+        operators: ``groups.py``'s per-row-group one), else the program's."""
         self.p = program
-        self.graph = program.graph
-        self.plan = program.sub_plan
+        self.graph = program.graph if graph is None else graph
+        self.plan = program.sub_plan if plan is None else plan
 
     # -- layouts ---------------------------------------------------------------------------
     def spec(self, vid: int) -> Spec:

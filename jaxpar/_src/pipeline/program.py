@@ -28,6 +28,7 @@ from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.groups import RowGroups, row_groups
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
@@ -73,6 +74,7 @@ class PipelineProgram:
     slot_layer: np.ndarray  # [S, v, slots] int: the layer in each slot (-1: padding)
     hardware: HardwareProfile
     act_bytes: float  # the carried values of one micro-batch, per device
+    groups: RowGroups  # the chunks per data-parallel row group (groups.py), or why not
 
     @property
     def rep_layer(self) -> Layer:
@@ -173,6 +175,13 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                              prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
                              max_slots=max_slots, layer_bytes=costs["layer_bytes"],
                              residual_bytes=costs["residual_bytes"], fits=fits)
+    rep_layer = layers.layers[rep]
+    groups = row_groups(
+        graph=graph, plan=plan, layer=rep_layer,
+        carried_in=tuple(layers.layers[0].act_in) + tuple(rep_layer.act_in)
+        + parts["carried_shared"], batch=batch, rest=parts["rest"],
+        stacked=tuple(rep_layer.weights[j] for j in layers.stacked), rows=rows,
+        retrace=lambda r: _retrace(fn, args, batch_argnums, rows * M // r, where))
     slot_layer = np.full((S, config.repeats, split.slots), -1, np.int32)
     for c in range(C):
         start = split.first_layer(c)
@@ -183,7 +192,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
-        costs["act_bytes"])
+        costs["act_bytes"], groups)
 
 
 def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, where: str
@@ -213,6 +222,16 @@ def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, whe
         raise PlanError(f"{where}: no batch input to split into micro-batches; say which "
                         f"arguments carry the batch (batch_argnums).")
     return out, rows
+
+
+def _retrace(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...], M: int,
+             where: str) -> OpGraph:
+    """``fn``'s graph traced with its batch cut into ``M`` micro-batches (``groups.py``)."""
+    from jaxpar._src.trace import trace
+
+    small, _ = _micro_args(args, batch_argnums, M, where)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
+        return trace(fn, small).graph
 
 
 def _plan(fn: Callable, args: list[Any], batch_argnums: tuple[int, ...], mesh: Mesh,

@@ -13,7 +13,10 @@ micro-batch plan that lays out every stage over the other mesh axes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+import jax.numpy as jnp
 
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
 from jaxpar._src.pipeline.schedule import PipelineSchedule, Timeline
@@ -38,6 +41,8 @@ class PipelinePlan:
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
+      gradient_reduction: how the stacked weights' gradients are reduced over the
+        data-parallel axes (:class:`GradientReduction`; ``None`` if the rows are not split).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> def loss(w, x):
@@ -51,6 +56,8 @@ class PipelinePlan:
     ...     pipe = step.plan(jnp.ones((4, 8, 8)), jnp.ones((16, 8))).pipeline
     >>> pipe.layers, pipe.split.counts, round(pipe.unit_timeline.bubble_fraction, 3)
     (4, (2, 2), 0.2)
+    >>> pipe.gradient_reduction.once, pipe.gradient_reduction.axes  # once a step, over dp
+    (True, ('dp',))
     """
 
     config: PipelineConfig
@@ -68,6 +75,7 @@ class PipelinePlan:
     stacked_weights: int
     crossing_bytes: float
     micro_rows: int
+    gradient_reduction: GradientReduction | None = None
 
     @classmethod
     def of(cls, program: Any) -> PipelinePlan:
@@ -85,7 +93,7 @@ class PipelinePlan:
                    program.sub_how,
                    len(ls.layers), ls.period, ls.marked, len(program.pro_nodes),
                    len(program.epi_nodes), len(program.stacked), program.act_bytes,
-                   program.micro_size)
+                   program.micro_size, GradientReduction.of(program))
 
     @property
     def bubble_fraction(self) -> float:
@@ -127,12 +135,91 @@ class PipelinePlan:
         lines.append(f"  memory per device (est.): stacked weights {_bytes(per_stage)}, "
                      f"residuals up to {max(s.in_flight()) * sp.slots} layer x micro-batch "
                      f"sets of {_bytes(sp.residual_bytes)}")
+        if self.gradient_reduction is not None:
+            lines.append("  " + self.gradient_reduction.explain())
         if s.num_ticks <= MAX_GRID_TICKS:
             lines.extend("    " + line for line in s.render().splitlines())
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.explain()
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """How the stacked layer weights' gradients are reduced over the data-parallel axes
+    (``groups.py``), as the compiled step's all-reduces over ``axes`` should show them.
+
+    Attributes:
+      axes: the mesh axes the micro-batch's rows are split over.
+      once: reduced once per step, after the loop (else once per chunk backward, inside it).
+      runs: how many times a step reduces (loop trip counts: every tick of the loop's phases
+        with backward work, times the chunk's layer slots, runs the backward's code).
+      run_bytes: per device, what one run reduces.
+      why: grouped, or why not.
+    """
+
+    axes: tuple[str, ...]
+    once: bool
+    runs: int
+    run_bytes: float
+    why: str
+
+    @property
+    def step_bytes(self) -> float:
+        return self.runs * self.run_bytes
+
+    @classmethod
+    def of(cls, program: Any) -> GradientReduction | None:
+        from jaxpar._src.pipeline.groups import strip
+        from jaxpar._src.pipeline.slots import SlotTables
+        from jaxpar._src.spec import MeshShape
+
+        groups = program.groups
+        if not groups.axes:
+            return None
+        mesh = MeshShape.of(program.mesh)
+        layer = 0.0  # one layer's stacked weight gradients, per device
+        for j in range(len(program.stacked)):
+            v = program.graph.values[program.stacked_values(j)[0]]
+            if not jnp.issubdtype(v.dtype, jnp.inexact) or not _from_inputs(program.graph,
+                                                                              v.id):
+                continue  # no gradient (a constant's is dead: XLA drops it)
+            spec = strip(program.spec(program.rep_layer.weights[program.stacked[j]]),
+                         groups.axes)
+            layer += math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
+                math.prod(v.shape), 1)
+        k, repeats = program.split.slots, program.config.repeats
+        if groups.on:
+            return cls(groups.axes, True, 1, repeats * k * layer, groups.why)
+        ticks = sum(stop - start for start, stop, _, has_b in
+                    SlotTables.of(program.schedule).phases() if has_b)
+        return cls(groups.axes, False, ticks * k, layer, groups.why)
+
+    def explain(self) -> str:
+        axes = "+".join(self.axes)
+        how = (f"1 all-reduce over {axes} of {_bytes(self.run_bytes)} per device after the "
+               f"loop" if self.once else
+               f"all-reduces over {axes} inside the loop, {self.runs} runs of "
+               f"{_bytes(self.run_bytes)} per device ({_bytes(self.step_bytes)} a step)")
+        return f"stage weight gradients: {how}; {self.why}"
+
+
+def _from_inputs(graph: Any, vid: int) -> bool:
+    """Whether value ``vid`` depends on an argument of the function (not only constants)."""
+    from jaxpar._src.graph import Const, NodeKind
+
+    seen, work = set(), [vid]
+    while work:
+        v = work.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        node = graph.nodes[graph.values[v].producer]
+        if node.kind is NodeKind.INPUT:
+            return True
+        work.extend(o for o in node.inputs if not isinstance(o, Const))
+    return False
 
 
 def _bytes(n: float) -> str:

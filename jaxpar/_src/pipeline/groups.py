@@ -1,0 +1,362 @@
+"""Row groups: a stage's weight gradients reduced over the data-parallel axes once per step.
+
+A micro-batch's rows are split over the data-parallel axes (``dp``, sometimes ``dp`` and ``tp``),
+and a weight gradient contracts over the rows, so left to XLA every chunk's backward ends in an
+all-reduce over those axes: one per micro-batch, inside the loop (XLA:CPU does not hoist it, and
+JAX 0.10 keeps an array "unreduced" only on ``Explicit`` mesh axes).  Data parallelism reduces
+once per step.  The loop does the same when it can prove it exact:
+
+* the micro-batch's ``rows`` split into ``G`` groups, one per device of the row axes (group ``g``
+  is the rows device ``g`` holds), and the chunk runs under ``jax.vmap`` over the groups
+  (``spmd_axis_name``: the group dimension lies on the row axes) with the stage's weights
+  broadcast to ``[G, ...]``: each group's weight gradient is its own, never summed with another
+  group's, and the stage accumulates ``[G, ...]`` partial gradients; after the loop one sum over
+  the group dimension (one all-reduce per gradient) makes the gradient;
+* the chunk inside the ``vmap`` is the loss traced again at ``rows / G`` rows (shapes are static
+  in a jaxpr), laid out as the stage's plan lays the micro-batch out, without the row axes
+  (``vmap`` puts them on the group dimension).
+
+Exact only if no row of one group meets a row of another in the chunk: :func:`row_groups` proves
+it from the layer's operators, following the row dimension through each (elementwise, reshape,
+transpose, broadcast, dot_general on a free or batch dimension, reductions over other
+dimensions, ...).  Anything else (a batch-mean normalization, a reduction or contraction over the
+rows, an operator it does not know, a loop over the rows) keeps the per-micro-batch reduction,
+and ``plan.pipeline.explain()`` says why.  The prologue and epilogue (embedding, loss) are not
+grouped: their weight gradients are still reduced per micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.pipeline.layers import members
+from jaxpar._src.plan import ShardingPlan
+from jaxpar._src.spec import MeshShape, Spec
+
+# (dim, minor): the row dimension of a value and the elements of that dimension per row (a
+# reshape may merge the rows with a dimension after them: [rows, seq] -> [rows * seq]).
+RowDim = tuple[int, int]
+
+ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy
+    copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+    is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow real
+    reduce_precision rem round rsqrt select_n sharding_constraint sign sin sinh sqrt square
+    stop_gradient sub tan tanh xor""".split())
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
+                       "reduce_xor argmax argmin".split())
+CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowGroups:
+    """How a pipeline's chunks run over the data-parallel groups of a micro-batch's rows.
+
+    Attributes:
+      axes: the mesh axes the rows are split over (the group dimension's layout); ``()`` when
+        the micro-batch's rows are not split.
+      size: ``G``, the number of groups (devices over ``axes``).
+      graph: the loss traced at ``rows / G`` rows (``None``: not grouped).
+      plan: the stage plan's layouts for ``graph``, without ``axes``.
+      cuts: ``(kind, i, dim, n)``: the unstacked (``kind`` ``"r"``) or stacked (``"w"``)
+        weight ``i`` is stretched over the rows along ``dim`` (a causal mask broadcast over
+        the batch); each group reads its own ``n`` entries, those of its rows.
+      why: one line for ``explain()``: grouped, or why not.
+    """
+
+    axes: tuple[str, ...]
+    size: int
+    graph: OpGraph | None
+    plan: ShardingPlan | None
+    cuts: tuple[tuple[str, int, int, int], ...]
+    why: str
+
+    @property
+    def on(self) -> bool:
+        return self.graph is not None
+
+
+def row_groups(*, graph: OpGraph, plan: ShardingPlan, layer: Any, carried_in: Sequence[int],
+               batch: Sequence[int], rest: Sequence[int], stacked: Sequence[int], rows: int,
+               retrace: Callable[[int], OpGraph]) -> RowGroups:
+    """Whether (and how) the chunks of a pipeline run per row group; see the module docstring.
+
+    ``layer``: the representative layer (every layer runs its operators); ``carried_in`` and
+    ``batch``: the value ids that carry the rows along dimension 0; ``rest``, ``stacked``: the
+    unstacked weights the loop passes whole, the layer's stacked ones; ``retrace(r)``: the loss's
+    graph traced with ``r`` rows per micro-batch.
+    """
+    mesh = plan.mesh
+
+    def spec(vid: int) -> Spec:
+        v = graph.values[vid]
+        return plan.decisions[v.producer].out_specs[v.index]
+
+    row_values = list(carried_in) + list(batch)
+    firsts = {spec(v).dims[0] if spec(v).ndim else () for v in row_values}
+    axes = next(iter(firsts)) if len(firsts) == 1 else None
+    if axes is None:
+        act = spec(row_values[0])
+        seen = act.dims[0] if act.ndim else ()
+        return RowGroups(seen, mesh.product(seen), None, None, (), "per micro-batch: the "
+                         "stage's inputs split their rows over different axes")
+    if not axes:
+        return RowGroups((), 1, None, None, (), "the micro-batch's rows are not split: no "
+                         "data-parallel gradient reduction")
+    size = mesh.product(axes)
+    per = "per micro-batch"
+    if rows % size:
+        return RowGroups(axes, size, None, None, (), f"{per}: {rows} rows do not split into "
+                         f"{size} groups")
+    bad = [v for v in row_values if not graph.values[v].shape or
+           graph.values[v].shape[0] != rows]
+    if bad:
+        return RowGroups(axes, size, None, None, (), f"{per}: a value entering the layers "
+                         f"(shape {graph.values[bad[0]].shape}) has no rows on dimension 0")
+    try:
+        small = retrace(rows // size)
+    except Exception as e:  # noqa: BLE001 - any failure only keeps the old route
+        return RowGroups(axes, size, None, None, (), f"{per}: the loss does not trace at "
+                         f"{rows // size} rows ({type(e).__name__})")
+    if len(small.nodes) != len(graph.nodes) or any(
+            a.name != b.name or a.kind is not b.kind for a, b in zip(graph.nodes, small.nodes,
+                                                                   strict=True)):
+        return RowGroups(axes, size, None, None, (), f"{per}: the loss traced at "
+                         f"{rows // size} rows is another program")
+    why = _mixes_rows(graph, small, layer, {v: (0, 1) for v in row_values}, rows, size)
+    if isinstance(why, str):
+        return RowGroups(axes, size, None, None, (), f"{per}: {why}")
+    if any(v not in rest and v not in stacked for v in why):
+        return RowGroups(axes, size, None, None, (), f"{per}: the layers read a value "
+                         f"stretched over the rows that is not a weight")
+    cuts = tuple(("w", stacked.index(v), e, n) if v in stacked else ("r", rest.index(v), e, n)
+                 for v, (e, n) in why.items())
+    return RowGroups(axes, size, small, _without(plan, small, axes), cuts,
+                     f"summed per {'+'.join(axes)} group in the loop ({size} groups of "
+                     f"{rows // size} rows; the layers never mix rows of two groups)")
+
+
+def _without(plan: ShardingPlan, small: OpGraph, axes: tuple[str, ...]) -> ShardingPlan:
+    """``plan``'s layouts for ``small`` without ``axes``, and without any axis that no longer
+    divides its dimension."""
+    mesh = plan.mesh
+    decisions = []
+    for d, node in zip(plan.decisions, small.nodes, strict=True):
+        ins = tuple(_fit(s, small.operand_shape(o), mesh, axes)
+                    for s, o in zip(d.in_specs, node.inputs, strict=False))
+        outs = tuple(_fit(s, small.values[v].shape, mesh, axes)
+                     for s, v in zip(d.out_specs, node.outputs, strict=False))
+        decisions.append(dataclasses.replace(d, in_specs=ins + d.in_specs[len(ins):],
+                                             out_specs=outs + d.out_specs[len(outs):]))
+    return dataclasses.replace(plan, decisions=tuple(decisions))
+
+
+def _fit(spec: Spec, shape: Sequence[int], mesh: MeshShape, drop: tuple[str, ...]) -> Spec:
+    if spec.ndim != len(shape):
+        return spec
+    dims = []
+    for size, dim_axes in zip(shape, spec.dims, strict=True):
+        kept = [a for a in dim_axes if a not in drop]
+        while kept and size % mesh.product(kept):
+            kept.pop()
+        dims.append(tuple(kept))
+    return Spec(tuple(dims))
+
+
+def strip(spec: Spec, drop: tuple[str, ...]) -> Spec:
+    """``spec`` without the mesh axes ``drop``.
+
+    >>> str(strip(Spec((("dp", "tp"), ())), ("dp",)))
+    '[tp, -]'
+    """
+    return Spec(tuple(tuple(a for a in d if a not in drop) for d in spec.dims))
+
+
+# -- the proof -----------------------------------------------------------------------------------
+def _mixes_rows(graph: OpGraph, small: OpGraph, layer: Any, seeds: dict[int, RowDim],
+                rows: int, groups: int) -> str | dict[int, tuple[int, int]]:
+    """Why the layer's operators may mix rows of two groups, or, if they never do, the values
+    from outside the layer each group reads a slice of (:func:`_row_broadcast`).
+
+    Follows every value's row dimension (``seeds``: the inputs') through the layer; a value
+    that depends on no row is fine anywhere.  The graph traced at ``rows / groups`` rows must
+    agree: a value with rows has that dimension ``groups`` times smaller there, any other value
+    the same shape (so nothing is shaped by the row count without carrying rows: an ``iota``
+    over the rows would number each group's rows from 0)."""
+    state: dict[int, RowDim] = dict(seeds)
+    sliced: dict[int, tuple[int, int]] = {}
+    made = {v for top in layer.nodes for nid in members(graph, top)
+            for v in graph.nodes[nid].outputs}
+    for top in layer.nodes:
+        for nid in members(graph, top):
+            node = graph.nodes[nid]
+            for o in node.inputs:  # a weight or a mask read whole by every group
+                if not isinstance(o, Const) and o not in made and o not in state and \
+                        o not in sliced and small.values[o].shape != graph.values[o].shape:
+                    cut = _row_broadcast(graph, small, o)
+                    if cut is None:
+                        return (f"{node.name} ({node.source}) reads a value shaped by the row "
+                                f"count")
+                    sliced[o] = cut
+            ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
+            if node.kind is NodeKind.OP:
+                outs = _through(node, ins, graph, rows, small)
+            elif any(s is not None for s in ins):
+                return f"rows enter a {node.name} region ({node.source})"
+            else:
+                outs = [None] * len(node.outputs)
+            if isinstance(outs, str):
+                return f"{outs} ({node.source})"
+            for vid, s in zip(node.outputs, outs, strict=True):
+                want = list(graph.values[vid].shape)
+                if s is not None:
+                    state[vid] = s
+                    if want[s[0]] % groups:
+                        return f"{node.name} makes a row dimension of {want[s[0]]}"
+                    want[s[0]] //= groups
+                if tuple(small.values[vid].shape) != tuple(want):
+                    return (f"{node.name} ({node.source}) is shaped by the row count "
+                            f"without carrying rows")
+    out = [state.get(v) for v in layer.act_out]
+    if any(s != (0, 1) for s in out):
+        return "the layer's output does not carry the rows on dimension 0"
+    return sliced
+
+
+def _row_broadcast(graph: OpGraph, small: OpGraph, vid: int) -> tuple[int, int] | None:
+    """A value made outside the layer by broadcasting along a dimension the row count sizes
+    (a causal mask stretched over the batch): the same along it, so each group may read its own
+    ``small`` entries.  ``(dimension, entries)``, or ``None`` if it is not such a value."""
+    big, little = graph.values[vid].shape, small.values[vid].shape
+    diff = [e for e, (a, b) in enumerate(zip(big, little, strict=True)) if a != b]
+    producer = graph.nodes[graph.values[vid].producer]
+    if len(diff) != 1 or producer.name != "broadcast_in_dim" or \
+            diff[0] in producer.eqn.params["broadcast_dimensions"]:
+        return None
+    return diff[0], little[diff[0]]
+
+
+def _through(node: Any, ins: list[RowDim | None], graph: OpGraph, rows: int, small: OpGraph
+             ) -> list[RowDim | None] | str:
+    """The row dimensions of an operator's results, or why it mixes rows."""
+    name, p = node.name, (node.eqn.params if node.eqn is not None else {})
+    n_out = len(node.outputs)
+    live = [s for s in ins if s is not None]
+    if not live:
+        if name == "broadcast_in_dim":  # constant along a new row dimension: any slice is it
+            return [_broadcast_rows(node, graph, small, rows)]
+        return [None] * n_out
+    shapes = [graph.operand_shape(o) for o in node.inputs]
+    out_shape = graph.values[node.outputs[0]].shape
+    if name == "optimization_barrier":
+        return list(ins)
+    if name in ELEMENTWISE:  # operands broadcast as in numpy (the graph folds size-1 dims)
+        moved = set()
+        for s, shape in zip(ins, shapes, strict=True):
+            if s is not None:
+                e = s[0] + len(out_shape) - len(shape)
+                if shape[s[0]] != out_shape[e]:
+                    return f"{name} broadcasts its row operand"
+                moved.add((e, s[1]))
+        if len(moved) > 1:
+            return f"{name} lines up rows on different dimensions"
+        return [moved.pop()] * n_out
+    s = live[0]
+    d, minor = s
+    if name == "broadcast_in_dim":
+        bd = p["broadcast_dimensions"]
+        if out_shape[bd[d]] != shapes[0][d]:
+            return "broadcast_in_dim stretches the rows"
+        return [(bd[d], minor)]
+    if name == "transpose":
+        return [(list(p["permutation"]).index(d), minor)]
+    if name == "reshape":
+        if p.get("dimensions") is not None:
+            return "a reshape with dimensions"
+        prefix = math.prod(shapes[0][:d])
+        acc = 1
+        for e, size in enumerate(out_shape):
+            if acc == prefix and size % rows == 0 and size // rows >= 1:
+                return [(e, size // rows)]
+            acc *= size
+        return "reshape splits the rows"
+    if name in REDUCTIONS:
+        axes = tuple(p["axes"])
+        if d in axes:
+            return f"{name} reduces over the rows"
+        return [(d - sum(a < d for a in axes), minor)] * n_out
+    if name in CUMULATIVE:
+        return f"{name} runs along the rows" if p["axis"] == d else [s]
+    if name == "squeeze":
+        dims = tuple(p["dimensions"])
+        return "squeeze drops the rows" if d in dims else [(d - sum(a < d for a in dims), minor)]
+    if name == "rev":
+        return "rev reverses the rows" if d in p["dimensions"] else [s]
+    if name in ("concatenate", "sort"):
+        key = "dimension"
+        if len(set(live)) > 1 or any(x is None for x in ins):
+            return f"{name} mixes operands with and without rows"
+        return f"{name} runs along the rows" if p[key] == d else [s] * n_out
+    if name == "pad":
+        if ins[1] is not None or tuple(p["padding_config"][d]) != (0, 0, 0):
+            return "pad pads the rows"
+        return [s]
+    if name == "slice":
+        full = p["start_indices"][d] == 0 and p["limit_indices"][d] == shapes[0][d] and (
+            p["strides"] is None or p["strides"][d] == 1)
+        return [s] if full and ins[0] is not None else "slice cuts the rows"
+    if name == "dynamic_slice":
+        if any(x is not None for x in ins[1:]) or p["slice_sizes"][d] != shapes[0][d]:
+            return "dynamic_slice cuts the rows"
+        return [s]
+    if name == "dynamic_update_slice":
+        if any(x is not None for x in ins[2:]) or ins[0] != ins[1] or \
+                shapes[1][d] != shapes[0][d]:
+            return "dynamic_update_slice writes across rows"
+        return [s]
+    if name == "dot_general":
+        return _dot(p, ins, shapes)
+    return f"{name} is not known to keep rows apart"
+
+
+def _broadcast_rows(node: Any, graph: OpGraph, small: OpGraph, rows: int) -> RowDim | None:
+    """A broadcast of a row-free value whose shape is the row count's: rows along that
+    dimension (constant along it); ``None`` when its shape does not follow the rows."""
+    big = graph.values[node.outputs[0]].shape
+    little = small.values[node.outputs[0]].shape
+    diff = [e for e, (a, b) in enumerate(zip(big, little, strict=True)) if a != b]
+    if len(diff) == 1 and big[diff[0]] % rows == 0:
+        return (diff[0], big[diff[0]] // rows)
+    return None
+
+
+def _dot(p: dict, ins: list[RowDim | None], shapes: list) -> list[RowDim | None] | str:
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    out: list[RowDim] = []
+    for side, (s, c, b) in enumerate(((ins[0], lc, lb), (ins[1], rc, rb))):
+        if s is None:
+            continue
+        d, minor = s
+        if d in c:
+            return "dot_general contracts over the rows"
+        if d in b:
+            pos = list(b).index(d)
+            other = ins[1 - side]
+            other_b = (rb if side == 0 else lb)[pos]
+            if other is None or other != (other_b, minor):
+                return "dot_general pairs the rows with another dimension"
+            out.append((pos, minor))
+            continue
+        free_l = [i for i in range(len(shapes[0])) if i not in lc and i not in lb]
+        free_r = [i for i in range(len(shapes[1])) if i not in rc and i not in rb]
+        if side == 0:
+            out.append((len(lb) + free_l.index(d), minor))
+        else:
+            out.append((len(lb) + len(free_l) + free_r.index(d), minor))
+    if len(set(out)) != 1:
+        return "dot_general pairs rows of its two operands"
+    return [out[0]]

@@ -1,0 +1,90 @@
+"""A pipeline stage's weight gradients reduced over the data-parallel axes once per step
+(``jaxpar/_src/pipeline/groups.py``), and kept per micro-batch where the layers mix rows.
+
+The layers that keep rows apart are tested with every schedule in ``test_pipeline.py`` (toy)
+and on the (dp, tp, pp) = (2, 2, 2) GPT trained with ``Model.train``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpar
+from jaxpar._src.pipeline.groups import _fit
+from jaxpar._src.spec import MeshShape, Spec
+
+NAN = float("nan")
+
+
+def _step(loss, w, x, schedule="1f1b"):  # (dp, pp) = (4, 2)
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": schedule}):
+        cell = jaxpar.PipelineCell(loss, bubble_fill=NAN)  # no bubble may reach a result
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        colls = jaxpar.inspect.collectives(step.lower(w, x).compile())
+        return value, grad, colls, step.plan(w, x).pipeline
+
+
+def _weight_reductions(colls):
+    """All-reduces over dp of the stage's [.., 8, 8] weight gradients (the loss and the
+    batch-mean statistics are shaped otherwise)."""
+    return [r for r in colls.of("all-reduce") if r.axes == ("dp",)
+            and any(s.endswith("8,8]") for s in r.shapes)]
+
+
+def test_a_chunk_that_mixes_rows_keeps_the_per_micro_batch_reduction():
+    def loss(w, x):
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+            x = x - jnp.mean(x, axis=0)  # a batch-mean normalization: rows of every group meet
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, w, x)
+    # one device, the same micro-batches (rows m, m + 4, ...): the normalization is over a
+    # micro-batch's rows, so that is the computation the pipeline must equal
+    def reference(w, x):
+        return jnp.mean(jnp.stack([loss(w, x[m::4]) for m in range(4)]))
+
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(reference))(w, x)
+    assert np.isfinite(value) and np.all(np.isfinite(grad))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    red = pipe.gradient_reduction
+    assert not red.once and "reduce_sum reduces over the rows" in red.why, red
+    assert "per micro-batch" in pipe.explain()
+    found = _weight_reductions(colls)
+    # predicted: every tick of the loop's backward phases reduces the chunk's 2 layers
+    assert sum(r.count for r in found) == red.runs and red.runs > 1, colls.table()
+    assert sum(r.count * r.nbytes for r in found) == red.step_bytes
+
+
+def test_a_mask_stretched_over_the_rows_is_read_per_group():
+    def loss(w, x):
+        keep = jnp.broadcast_to(jnp.arange(8) < 6, x.shape)  # made once, read by every layer
+        for i in range(4):
+            x = jnp.where(keep, jnp.tanh(x @ w[i]), 0.0)  # (0.0: a zero block per layer)
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    red = pipe.gradient_reduction
+    assert red.once, red
+    # the mask (unstacked) and the zeros (stacked per layer) are [rows, 8]: each group reads
+    # its own rows of them where they lie, so nothing but the gradients' one all-reduce over dp
+    assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [(1, red.step_bytes)]
+    assert not [r for r in colls if r.axes == ("dp",) and r.kind == "all-gather"], colls.table()
+
+
+def test_layouts_inside_a_group_drop_the_row_axes():
+    mesh = MeshShape(("dp", "tp"), (2, 2))
+    assert _fit(Spec((("dp", "tp"), ())), (2, 8), mesh, ("dp",)) == Spec((("tp",), ()))
+    # an axis that no longer divides the smaller dimension is dropped too
+    assert _fit(Spec((("dp", "tp"), ())), (1, 8), mesh, ("dp",)) == Spec(((), ()))
