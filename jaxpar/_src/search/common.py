@@ -103,6 +103,14 @@ class SearchSpace:
             self._op_costs[key] = cost
         return cost
 
+    def flops(self, nid: int, strategy: OpStrategy) -> float:
+        """``op_cost(nid, strategy).flops`` without the rest of the price: a whole plan's price
+        needs only this of every operator, most of them in layouts no search priced."""
+        cost = self._op_costs.get((nid, strategy))
+        if cost is not None:
+            return cost.flops
+        return self.model.op_flops(self.rule(nid), strategy, self.graph.nodes[nid].weight)
+
     def in_category(self, *categories: OpCategory) -> frozenset[int]:
         """The operators whose rule declares one of ``categories`` (``register_rule``'s
         ``category=``): what the pricing and pruning treat as contractions or indexing."""
@@ -216,7 +224,7 @@ class SearchSpace:
                 strategies, scatters = self.lowered(strategies)
             # the backward readers as lowered (a reduce-scattered gradient's layouts)
             again = Regather.find(self.graph, strategies, split) if split else None
-            flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
+            flops = {n: self.flops(n, strategies[n]) for n in nodes}
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
                                                    self.deferred, self.edge_weight,
                                                    scatters, again)

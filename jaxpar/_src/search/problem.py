@@ -489,15 +489,22 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
         else:
             key = (node.kind, node.name, shapes, node.weight, listed(nid))
         colour.append(first.setdefault(key, len(first)))
-    around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
-    for producer, j, consumer, i in graph.edges():
-        around[producer].append((0, j, i, consumer))
-        around[consumer].append((1, i, j, producer))
+    # A node's neighbourhood, each neighbour ``(side, own port, its port, its colour)`` as one
+    # number: ``colour * ports + (side, a, b)`` numbered; equal multisets of numbers are equal
+    # multisets of those tuples, so the colours are the same as refined from the tuples, and
+    # sorting numbers is cheaper (issue 14).
+    edges = list(graph.edges())
+    width = 1 + max((max(j, i) for _, j, _, i in edges), default=0)
+    ports = 2 * width * width
+    around: list[list[tuple[int, int]]] = [[] for _ in graph.nodes]
+    for producer, j, consumer, i in edges:
+        around[producer].append(((j * width + i) * 2, consumer))
+        around[consumer].append(((i * width + j) * 2 + 1, producer))
     classes = len(first)
     for _ in range(REFINE_ROUNDS):
         ids: dict[tuple, int] = {}
         colour = [ids.setdefault((colour[n], tuple(sorted(
-            (side, a, b, colour[m]) for side, a, b, m in around[n]))), len(ids))
+            [colour[m] * ports + static for static, m in around[n]]))), len(ids))
             for n in range(len(colour))]
         if len(ids) == classes:
             break
