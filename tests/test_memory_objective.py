@@ -216,7 +216,7 @@ def test_buffer_assignment_over_arrays_equals_the_scan():
     from jaxpar._src.search import memory
 
     rng = random.Random(0)
-    for trial in range(1500):
+    for trial in range(600):
         last = 2 * rng.randint(1, 60)
         buffers = []
         for _ in range(rng.randint(0, 80)):

@@ -323,7 +323,7 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         dst = port(consumer, "in", i)
         if ru == rv:
             for k in np.flatnonzero(src != dst):
-                inner.append((ru, k, space.edge_time(producer, j, specs[src[k]], consumer,
+                inner.append((ru, int(k), space.edge_time(producer, j, specs[src[k]], consumer,
                                                      specs[dst[k]])))
             continue
         edges_between += 1
