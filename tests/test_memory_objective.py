@@ -205,3 +205,27 @@ def test_memory_estimates_remembered_per_plan_are_the_ones_measured_afresh():
         for p, (packed, live) in zip(plans + plans[::-1], expected + expected[::-1], strict=True):
             assert memory.lowered(graph, dict(p), mesh, packed=True) == packed
             assert memory.lowered(graph, p, mesh, packed=False) == live
+
+
+def test_buffer_assignment_over_arrays_equals_the_scan():
+    """``memory._assign`` finds each buffer's allocation for all allocations at once (issue
+    14: the scan was quadratic in the layers); it must place every buffer where the scan of
+    the allocations one by one does, so estimates (and plans) stay the same."""
+    import random
+
+    from jaxpar._src.search import memory
+
+    rng = random.Random(0)
+    for trial in range(600):
+        last = 2 * rng.randint(1, 60)
+        buffers = []
+        for _ in range(rng.randint(0, 80)):
+            first = rng.randint(0, last)
+            size = float(rng.choice([0, 1, 2, 4, 8, 16, rng.random() * 10]))
+            if rng.random() < 0.3:  # an output: held from its first use on
+                buffers.append((size, first, rng.choice([last, rng.randint(first, last)]),
+                                True, last))
+            else:
+                stop = rng.randint(first, last)
+                buffers.append((size, first, stop, False, rng.randint(first, stop)))
+        assert memory._assign(buffers) == memory._assign_scan(buffers), trial

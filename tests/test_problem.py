@@ -270,3 +270,47 @@ def test_the_local_search_skipping_unchanged_neighbourhoods_finds_what_looking_e
         for sweeps in (1, 2, 3, 5):
             assert improve(problem, start, sweeps=sweeps) == \
                 _improve_every_time(problem, start, sweeps)
+
+
+def test_propagation_answers_each_repeated_question_once(monkeypatch):
+    """The baseline propagation remembers its answers by all that they depend on (issue 14):
+    on a stack of identical layers most questions repeat, and every node still gets the
+    strategy that answering each question afresh gives (the layers' weights pinned split by
+    columns and by rows in turn, so alike nodes' neighbours differ in their layouts)."""
+    from jaxpar._src.graph import NodeKind
+    from jaxpar._src.pins import baseline_pins
+    from jaxpar._src.rules import strategy_for_specs
+    from jaxpar._src.search import propagation
+    from jaxpar._src.search.common import Pin
+    from jaxpar._src.spec import Spec
+
+    def loss(ps, x):
+        for p in ps:
+            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
+
+    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(6)]
+    program = trace(step, (ps, jnp.ones((16, 32))))
+    model = CostModel(MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp"))), HardwareProfile())
+    space = SearchSpace(program.graph, model)
+    pins = list(baseline_pins(program, space, [1], [], api="test"))
+    for n in program.graph.nodes:
+        if n.kind is NodeKind.INPUT and n.label.endswith(".w"):
+            spec = Spec(((), ("mp",))) if int(n.label.split(".")[1]) % 2 else Spec((("mp",), ()))
+            pins.append(Pin(n.id, strategy_for_specs(space.rule(n.id), {("out", 0): spec},
+                                                     model.mesh), "test"))
+    answered = []
+    answer = propagation._best_response
+    monkeypatch.setattr(propagation, "_best_response",
+                        lambda *a: answered.append(a[1]) or answer(*a))
+    remembered = propagation.propagate(space, pins).strategies
+    once = len(answered)
+    ask = propagation.best_response
+    monkeypatch.setattr(propagation, "best_response", lambda s, v, d, _=None: ask(s, v, d))
+    answered.clear()
+    fresh = propagation.propagate(SearchSpace(program.graph, model), pins).strategies
+    assert fresh == remembered
+    assert once < len(answered) / 2, (once, len(answered))

@@ -82,6 +82,13 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
             return tuple((f.file_name, f.start_line, f.function_name)
                          for f in _siu.user_frames(tb))
         codes, lastis = tb.raw_frames()
+        # The equations of one layer, and of every layer a loop makes, share whole tracebacks:
+        # resolve each one once (issue 14: ten thousand equations at 24 layers).  The entry
+        # holds the code objects, so their ids are not reused while it lives.
+        whole = (tuple(map(id, codes)), tuple(lastis))
+        known = _TRACEBACKS.get(whole)
+        if known is not None:
+            return known[1]
         out = []
         for code, lasti in zip(codes, lastis, strict=True):
             # Equations of one layer share their frames: resolve each one once.  Keyed by the
@@ -92,12 +99,16 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
                 found = _FRAMES[(id(code), lasti)] = (code, _frame(code, lasti))
             if found[1][0]:
                 out.append(found[1])
+        if len(_TRACEBACKS) > 100_000:  # a bound: a long session traces many programs
+            _TRACEBACKS.clear()
+        _TRACEBACKS[whole] = (tuple(codes), tuple(out))
         return tuple(out)
     except Exception:  # noqa: BLE001 - a missing location must never break planning
         return ()
 
 
 _FRAMES: dict[tuple[int, int], tuple[Any, tuple[str, int, str]]] = {}
+_TRACEBACKS: dict[tuple, tuple[tuple[Any, ...], tuple[tuple[str, int, str], ...]]] = {}
 
 
 def _frame(code: Any, lasti: int) -> tuple[str, int, str]:

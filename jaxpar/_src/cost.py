@@ -191,16 +191,21 @@ class CostModel:
                 in_shapes: Sequence[tuple[int, ...]], in_dtypes: Sequence[Any],
                 out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
                 weight: float = 1.0, bucket: float = 0.0) -> Cost:
-        split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
-        flops = rule.flops / split
         colls = self.op_collectives(strategy, out_shapes, out_dtypes, bucket=bucket)
         memory = 0.0
         for spec, shape, dtype in zip(strategy.in_specs, in_shapes, in_dtypes, strict=True):
             memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
         for spec, shape, dtype in zip(strategy.out_specs, out_shapes, out_dtypes, strict=True):
             memory += math.prod(shape) * itemsize(dtype) * spec.shard_fraction(self.mesh)
-        return Cost(flops * weight, weight * sum(c.wire_bytes for c in colls),
+        return Cost(self.op_flops(rule, strategy, weight),
+                    weight * sum(c.wire_bytes for c in colls),
                     weight * sum(c.time for c in colls), memory)
+
+    def op_flops(self, rule: FactorRule, strategy: OpStrategy, weight: float = 1.0) -> float:
+        """:meth:`op_cost`'s FLOPs alone: what a whole plan's price needs of every node, without
+        the collectives and bytes (issue 14: pricing a plan asks it of every operator)."""
+        split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
+        return rule.flops / split * weight
 
 
 def _dtype_name(dtype: Any) -> str:

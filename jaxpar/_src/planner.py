@@ -189,6 +189,6 @@ def _decisions(graph: OpGraph, strategies: Mapping[int, OpStrategy],
             node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
             strat.in_specs, strat.out_specs, origins.get(node.id, ""),
             node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists), flops=space.op_cost(node.id, strat).flops,
+            tuple(redists), flops=space.flops(node.id, strat),
             category=str(space.rule(node.id).category), **extra))
     return tuple(decisions)

@@ -40,10 +40,11 @@ def op_view(graph: OpGraph, node: Node) -> OpView:
     )
 
 
-def rule_for(graph: OpGraph, node: Node) -> FactorRule:
-    """The factor rule of any searchable node."""
+def rule_for(graph: OpGraph, node: Node, view: OpView | None = None) -> FactorRule:
+    """The factor rule of any searchable node; ``view``: an operator's :func:`op_view`, when
+    the caller has it already."""
     if node.kind is NodeKind.OP and node.name not in IDENTITY_OPS:
-        return rule_of(op_view(graph, node))
+        return rule_of(op_view(graph, node) if view is None else view)
     b = RuleBuilder()
     if node.kind in (NodeKind.INPUT, NodeKind.CONST):
         return b.build([], [b.factors(graph.values[node.outputs[0]].shape)])

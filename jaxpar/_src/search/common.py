@@ -20,6 +20,7 @@ from jaxpar._src.rules import (
     FactorRule,
     OpCategory,
     OpStrategy,
+    OpView,
     enumerate_strategies,
     op_view,
     rule_for,
@@ -63,7 +64,9 @@ class SearchSpace:
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
+        self._flops: dict[tuple[int, OpStrategy], float] = {}  # the plans compared share most
         self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
+        self._op_views: dict[int, OpView] = {}
         self._deferred: frozenset[int] | None = None
         self._bucket: float | None = None
         self._siblings: dict[int, float] | None = None
@@ -76,8 +79,19 @@ class SearchSpace:
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
         if rule is None:
-            rule = self._rules[nid] = rule_for(self.graph, self.graph.nodes[nid])
+            node = self.graph.nodes[nid]
+            rule = self._rules[nid] = rule_for(self.graph, node, self._op_view(node))
         return rule
+
+    def _op_view(self, node: Node) -> OpView | None:
+        """An operator's shapes, dtypes and parameters, worked out once for its rule and its
+        price (issue 14); ``None`` for other nodes."""
+        if node.kind is not NodeKind.OP:
+            return None
+        view = self._op_views.get(node.id)
+        if view is None:
+            view = self._op_views[node.id] = op_view(self.graph, node)
+        return view
 
     def candidates(self, nid: int) -> tuple[OpStrategy, ...]:
         return enumerate_strategies(self.rule(nid), self.model.mesh)
@@ -92,7 +106,7 @@ class SearchSpace:
             node = self.graph.nodes[nid]
             view = self._views.get(nid)
             if view is None:  # every candidate of a node, and every plan priced, asks again
-                view = self._views[nid] = _shapes(self.graph, node)
+                view = self._views[nid] = _shapes(self.graph, node, self._op_view(node))
             rule = self.rule(nid)
             bucket = self.bucket_of(nid)
             signature = (rule, strategy, view[1], view[3], node.weight, bucket)
@@ -102,6 +116,17 @@ class SearchSpace:
                     rule, strategy, *view, weight=node.weight, bucket=bucket)
             self._op_costs[key] = cost
         return cost
+
+    def flops(self, nid: int, strategy: OpStrategy) -> float:
+        """``op_cost(nid, strategy).flops`` without the rest of the price: a whole plan's price
+        needs only this of every operator, most of them in layouts no search priced."""
+        key = (nid, strategy)
+        found = self._flops.get(key)
+        if found is None:
+            cost = self._op_costs.get(key)
+            found = self._flops[key] = cost.flops if cost is not None else \
+                self.model.op_flops(self.rule(nid), strategy, self.graph.nodes[nid].weight)
+        return found
 
     def in_category(self, *categories: OpCategory) -> frozenset[int]:
         """The operators whose rule declares one of ``categories`` (``register_rule``'s
@@ -152,6 +177,8 @@ class SearchSpace:
         other.regathered = self.regathered
         other._rules = self._rules
         other._views = self._views
+        other._op_views = self._op_views
+        other._flops = self._flops
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
         other._deferred = self.deferred
         other._siblings = self._siblings
@@ -216,7 +243,7 @@ class SearchSpace:
                 strategies, scatters = self.lowered(strategies)
             # the backward readers as lowered (a reduce-scattered gradient's layouts)
             again = Regather.find(self.graph, strategies, split) if split else None
-            flops = {n: self.op_cost(n, strategies[n]).flops for n in nodes}
+            flops = {n: self.flops(n, strategies[n]) for n in nodes}
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
                                                    self.deferred, self.edge_weight,
                                                    scatters, again)
@@ -242,9 +269,8 @@ class SearchSpace:
                                     self.edge_weight(producer, consumer))
 
 
-def _shapes(graph: OpGraph, node: Node) -> tuple:
-    if node.kind is NodeKind.OP:
-        view = op_view(graph, node)
+def _shapes(graph: OpGraph, node: Node, view: OpView | None) -> tuple:
+    if view is not None:  # an operator's
         return view.in_shapes, view.in_dtypes, view.out_shapes, view.out_dtypes
     ins = tuple(graph.operand_shape(o) for o in node.inputs)
     in_dt = tuple(graph.operand_dtype(o) for o in node.inputs)

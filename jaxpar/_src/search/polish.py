@@ -58,6 +58,7 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
     near = dict.fromkeys(problem.reps, -1)
     looked: dict = {}
     clock = 0
+    lowest: dict = {}  # each edge matrix's least entry
 
     def changed_at(*nodes: int) -> None:
         for x in nodes:
@@ -80,7 +81,7 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
             if looked.get(r, -2) >= near[r]:
                 continue
             total = context(r)
-            best = int(np.argmin(total))
+            best = int(total.argmin())
             if better(total[best], total[choice[r]]):
                 choice[r] = best
                 clock += 1
@@ -92,12 +93,23 @@ def improve(problem: Problem, choice: dict[int, int], *, sweeps: int = 3) -> dic
                 continue
             if looked.get((u, v), -2) >= max(near[u], near[v]):
                 continue
-            joint = context(u, v)[:, None] + context(v, u)[None, :] + problem.edges[(u, v)]
+            mine, theirs, edge = context(u, v), context(v, u), problem.edges[(u, v)]
+            # No pair can be better than the least of each part (the sums below are
+            # rounded alike, and rounding keeps order): then the pair table, most of a
+            # sweep's time, is not built (issue 14: the first sweep looks at every edge).
+            low = lowest.get((u, v))
+            if low is None:
+                low = lowest[(u, v)] = edge.min()
+            if not better(mine.min() + theirs.min() + low,
+                          mine[choice[u]] + theirs[choice[v]] + edge[choice[u], choice[v]]):
+                looked[(u, v)] = clock
+                continue
+            joint = mine[:, None] + theirs[None, :] + edge
             if u in problem.forced:
                 joint[np.arange(len(joint)) != choice[u], :] = np.inf
             if v in problem.forced:
                 joint[:, np.arange(joint.shape[1]) != choice[v]] = np.inf
-            ku, kv = np.unravel_index(int(np.argmin(joint)), joint.shape)
+            ku, kv = divmod(int(joint.argmin()), joint.shape[1])
             if better(joint[ku, kv], joint[choice[u], choice[v]]):
                 choice[u], choice[v] = int(ku), int(kv)
                 clock += 1

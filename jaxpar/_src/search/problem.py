@@ -249,6 +249,9 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     # -- followers ----------------------------------------------------------------------------
     tied_to_input = {out: inp for inp, out in ties}
     follow: dict[int, tuple[int, np.ndarray]] = {}
+    # A follower's index depends on its candidates, its leader's and the leader's own index
+    # (kept alive in ``follow``, so its id stays its own): repeated layers find it once.
+    indices: dict[tuple, np.ndarray | None] = {}
     for nid in searchable:
         if nid in pinned:
             continue
@@ -263,19 +266,13 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         rep, base = leader, None
         if leader in follow:
             rep, base = follow[leader]
-        rep_cands = cands[rep]
-        leader_cands = cands[leader]
-        own = {c.in_specs[i]: k for k, c in enumerate(cands[nid])}
-        index = np.empty(len(rep_cands), dtype=np.int64)
-        ok = True
-        for k in range(len(rep_cands)):
-            lead = leader_cands[k if base is None else int(base[k])]
-            match = own.get(lead.out_specs[j])
-            if match is None:
-                ok = False
-                break
-            index[k] = match
-        if ok and node.kind is not NodeKind.CONTROL:
+        key = (kinds[nid], i, kinds[leader], j, None if base is None else id(base))
+        if key in indices:
+            index = indices[key]
+        else:
+            index = indices[key] = _follower_index(cands[nid], i, cands[leader], j,
+                                                   len(cands[rep]), base)
+        if index is not None and node.kind is not NodeKind.CONTROL:
             follow[nid] = (rep, index)
 
     reps = [n for n in searchable if n not in follow]
@@ -326,7 +323,7 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         dst = port(consumer, "in", i)
         if ru == rv:
             for k in np.flatnonzero(src != dst):
-                inner.append((ru, k, space.edge_time(producer, j, specs[src[k]], consumer,
+                inner.append((ru, int(k), space.edge_time(producer, j, specs[src[k]], consumer,
                                                      specs[dst[k]])))
             continue
         edges_between += 1
@@ -346,6 +343,22 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
 
 
 TIE_BREAK_S_PER_BYTE = 1e-21
+
+
+def _follower_index(options: Sequence[OpStrategy], i: int, leader_options: Sequence[OpStrategy],
+                    j: int, n: int, base: np.ndarray | None) -> np.ndarray | None:
+    """Per candidate of the rep (``n`` of them; the leader's through ``base`` when the
+    leader follows it), the candidate of the follower whose operand ``i`` takes the leader's
+    result ``j`` as it is; ``None`` when one has none."""
+    own = {c.in_specs[i]: k for k, c in enumerate(options)}
+    index = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        lead = leader_options[k if base is None else int(base[k])]
+        match = own.get(lead.out_specs[j])
+        if match is None:
+            return None
+        index[k] = match
+    return index
 
 
 class LazyGroups(Sequence[list[int]]):
@@ -489,15 +502,22 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
         else:
             key = (node.kind, node.name, shapes, node.weight, listed(nid))
         colour.append(first.setdefault(key, len(first)))
-    around: list[list[tuple[int, int, int, int]]] = [[] for _ in graph.nodes]
-    for producer, j, consumer, i in graph.edges():
-        around[producer].append((0, j, i, consumer))
-        around[consumer].append((1, i, j, producer))
+    # A node's neighbourhood, each neighbour ``(side, own port, its port, its colour)`` as one
+    # number: ``colour * ports + (side, a, b)`` numbered; equal multisets of numbers are equal
+    # multisets of those tuples, so the colours are the same as refined from the tuples, and
+    # sorting numbers is cheaper (issue 14).
+    edges = list(graph.edges())
+    width = 1 + max((max(j, i) for _, j, _, i in edges), default=0)
+    ports = 2 * width * width
+    around: list[list[tuple[int, int]]] = [[] for _ in graph.nodes]
+    for producer, j, consumer, i in edges:
+        around[producer].append(((j * width + i) * 2, consumer))
+        around[consumer].append(((i * width + j) * 2 + 1, producer))
     classes = len(first)
     for _ in range(REFINE_ROUNDS):
         ids: dict[tuple, int] = {}
         colour = [ids.setdefault((colour[n], tuple(sorted(
-            (side, a, b, colour[m]) for side, a, b, m in around[n]))), len(ids))
+            [colour[m] * ports + static for static, m in around[n]]))), len(ids))
             for n in range(len(colour))]
         if len(ids) == classes:
             break

@@ -108,11 +108,12 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
             tied = _tied_strategy(space, other, strategies[u])
             if tied is not None:
                 decide(other, tied, "state")
+    answers: dict[tuple, OpStrategy] = {}  # repeated layers ask the same questions
     while heap:
         cls, _, v = heapq.heappop(heap)
         if v in strategies or cls != readiness(v):
             continue  # decided already, or a fresher entry with a better class is queued
-        decide(v, best_response(space, v, strategies), "propagated")
+        decide(v, best_response(space, v, strategies, answers), "propagated")
     for node in graph.searchable():
         if node.id not in strategies:
             strategies[node.id] = space.candidates(node.id)[0]
@@ -152,8 +153,13 @@ def _anchored(pinned: Sequence[int], consumers: dict[int, set[int]]) -> set[int]
     return seen
 
 
-def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) -> OpStrategy:
-    """The candidate of ``v`` that fits its decided neighbours best (module docstring order)."""
+def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
+                  answers: dict[tuple, OpStrategy] | None = None) -> OpStrategy:
+    """The candidate of ``v`` that fits its decided neighbours best (module docstring order).
+
+    ``answers`` remembers the answers by what they depend on (:func:`_question`): the nodes of
+    repeated layers ask the same question of alike neighbours (issue 14: the baseline
+    propagation of a deep model answered it once per operator)."""
     graph = space.graph
     edges: list[tuple[Edge, OpStrategy]] = []  # to decided neighbours, with their strategy
     for e in graph.neighbours(v):
@@ -161,6 +167,35 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy]) ->
         if other == v or other not in decided or graph.nodes[other].kind is NodeKind.CONTROL:
             continue
         edges.append((e, decided[other]))
+    if answers is None:
+        return _best_response(space, v, edges)
+    question = _question(space, v, edges)
+    found = answers.get(question)
+    if found is None:
+        found = answers[question] = _best_response(space, v, edges)
+    return found
+
+
+def _question(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]) -> tuple:
+    """All that :func:`_best_response` reads of ``v`` and its decided neighbours: the rule
+    (its candidates, and with the dtypes, loop weight and gradient bucket its own price, as
+    ``SearchSpace.op_cost`` keys it), and per edge, in order, its ports, the neighbour's
+    strategy and what a layout change on it costs (the value's shape and dtype, the edge's
+    weight)."""
+    graph = space.graph
+    node = graph.nodes[v]
+    ports = []
+    for e, other in edges:
+        value = graph.values[graph.nodes[e.producer].outputs[e.out_index]]
+        ports.append((e.producer == v, e.out_index, e.in_index, other, value.shape,
+                      value.dtype, space.edge_weight(e.producer, e.consumer)))
+    return (space.rule(v), node.weight, space.bucket_of(v),
+            tuple(graph.operand_dtype(o) for o in node.inputs),
+            tuple(graph.values[o].dtype for o in node.outputs), tuple(ports))
+
+
+def _best_response(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]
+                   ) -> OpStrategy:
     # Fast path: the candidate that matches every decided neighbour exactly and splits nothing
     # else, if it needs no communication of its own, wins on every criterion.
     wanted: dict[tuple[str, int], Spec] = {}
