@@ -7,6 +7,7 @@ and on the (dp, tp, pp) = (2, 2, 2) GPT trained with ``Model.train``."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar._src.pipeline.groups import _fit
@@ -88,3 +89,55 @@ def test_layouts_inside_a_group_drop_the_row_axes():
     assert _fit(Spec((("dp", "tp"), ())), (2, 8), mesh, ("dp",)) == Spec((("tp",), ()))
     # an axis that no longer divides the smaller dimension is dropped too
     assert _fit(Spec((("dp", "tp"), ())), (1, 8), mesh, ("dp",)) == Spec(((), ()))
+
+
+def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
+    # ZeRO level 2: the gradients summed over the row groups are reduce-scattered into the
+    # layout of their Adam moments (split over dp), not all-reduced whole and then sliced
+    import optax
+
+    def loss(w, x):
+        for i in range(8):
+            x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    tx = optax.adam(1e-2)
+
+    def train(cell):
+        def step(p, s, x):
+            value, grads = jax.value_and_grad(cell)(p, x)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+        return step
+
+    keys = jax.random.split(jax.random.key(0), 9)
+    w = [jax.random.normal(k, (16, 16)) * 0.3 for k in keys[:8]]
+    x = jax.random.normal(keys[8], (32, 16))
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(
+            parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=2, micro_batches=4,
+            enable_parallel_optimizer=True, parallel_optimizer_config={
+                "optimizer_level": "level2", "parallel_optimizer_threshold": 0}):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=1, bubble_fill=NAN)
+        sw = cell.stack(w, x)
+        step = jaxpar.parallelize(train(cell), batch_argnums=2)
+        new_sw, state, value = step(sw, tx.init(sw), x)
+        colls = jaxpar.inspect.collectives(step.lower(sw, tx.init(sw), x).compile())
+        red = step.plan(sw, tx.init(sw), x).pipeline.gradient_reduction
+    ref_w, _, ref_value = jax.jit(train(loss))(w, tx.init(w), x)  # one device
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(new_sw.unstack(), ref_w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the moments [S, v, k, 16, 16] = [2, 1, 4, 16, 16]: k split over dp
+    assert state[0].mu.stacked[0].sharding.spec == P("pp", None, "dp")
+    # one reduce-scatter over dp of the stage's 4 layers (4 x 1 KiB), as predicted; no
+    # all-reduce of a weight gradient
+    grads = [r for r in colls if r.axes == ("dp",) and any(s.endswith("16,16]")
+                                                           for s in r.shapes)]
+    assert red.collectives == ("reduce-scatter",) and red.once, red
+    assert [(r.kind, r.count, r.nbytes) for r in grads if r.kind != "all-gather"] == [
+        ("reduce-scatter", 1, red.scattered_bytes)], colls.table()
+    assert red.scattered_bytes == red.run_bytes == 4 * 16 * 16 * 4
+    assert "reduce-scatter" in red.explain()
+    # the update runs on the slices; the new weights are gathered once (level 2 keeps them whole)
+    assert [r.count for r in grads if r.kind == "all-gather"] == [1], colls.table()

@@ -158,6 +158,7 @@ class PipelineCell:
 
     def _program(self, args: Sequence[Any], found: tuple, where: str) -> PipelineProgram:
         config, mesh, mode, search_mode, hardware, tr = found
+        optimizer = tr.optimizer if tr is not None else None
         batch_argnums = self.batch_argnums if self.batch_argnums is not None else \
             tuple(range(1, len(args)))
         if not batch_argnums:
@@ -165,12 +166,14 @@ class PipelineCell:
                                f"arguments carry the batch with batch_argnums.")
         avals = [jax.tree.map(_abstract, a.abstract() if isinstance(a, StackedParams) else a)
                  for a in args]
-        key = (_signature(avals), config, mesh, mode, search_mode, hardware, batch_argnums)
+        key = (_signature(avals), config, mesh, mode, search_mode, hardware, batch_argnums,
+               optimizer)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = build_program(
                 self.fn, avals, batch_argnums=batch_argnums, config=config, mesh=mesh,
-                mode=mode, search_mode=search_mode, hardware=hardware, where=where)
+                mode=mode, search_mode=search_mode, hardware=hardware, where=where,
+                optimizer=optimizer)
         self.last_program = program
         if tr is not None:
             tr.built.append(program)
@@ -222,6 +225,8 @@ def _pipelined(program: PipelineProgram, fill: float) -> Callable:
     graph = program.graph
     M = program.config.micro_batches
     batch_avals: list[Any] = []
+    # ZeRO: the layout of a gradient the loop reduce-scatters (program.scatters)
+    split = {j: program.grad_spec(j) for j, _, _ in program.scatters}
 
     @jax.custom_vjp
     def loop(weights: list, rest: list, batch: list) -> Any:
@@ -250,7 +255,7 @@ def _pipelined(program: PipelineProgram, fill: float) -> Callable:
             pieces.weight_work(env)
         weights = [_constrain(given[j] if j in given else
                               _stack(program, [env[v] for v in program.stacked_values(j)]),
-                              program.weight_spec(j), program)
+                              program.weight_spec(j), program, split.get(j))
                    for j in range(len(program.stacked))]
         rest = [_constrain(env[v], program.spec(v), program) for v in program.rest]
         batch = [_constrain(_micro(env[v], M), program.batch_spec(j), program)
@@ -284,11 +289,32 @@ def _micro(x: Any, M: int) -> Any:
     return jnp.swapaxes(x.reshape((rows, M) + tuple(x.shape[1:])), 0, 1)
 
 
-def _constrain(x: Any, spec: Spec, program: PipelineProgram) -> Any:
+def _constrain(x: Any, spec: Spec, program: PipelineProgram, grad: Spec | None = None) -> Any:
+    """``x`` laid out ``spec``; its gradient laid out ``grad`` (default: ``spec``, the
+    transpose of a sharding constraint), which keeps a reduce-scattered gradient split."""
+    if grad is not None:
+        return _split_grad(x, spec, grad, program)
     mesh: Any = jax.sharding.get_abstract_mesh()
     if mesh.empty or tuple(mesh.axis_names) != tuple(program.mesh.axis_names):
         mesh = program.mesh
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _split_grad(x: Any, spec: Spec, grad: Spec, program: PipelineProgram) -> Any:
+    return _constrain(x, spec, program)
+
+
+def _split_grad_fwd(x: Any, spec: Spec, grad: Spec, program: PipelineProgram) -> tuple:
+    return _constrain(x, spec, program), None
+
+
+def _split_grad_bwd(spec: Spec, grad: Spec, program: PipelineProgram, _: Any, g: Any
+                    ) -> tuple:
+    return (_constrain(g, grad, program),)
+
+
+_split_grad.defvjp(_split_grad_fwd, _split_grad_bwd)
 
 
 def _abstract(x: Any) -> Any:

@@ -176,6 +176,45 @@ def strip(spec: Spec, drop: tuple[str, ...]) -> Spec:
     return Spec(tuple(tuple(a for a in d if a not in drop) for d in spec.dims))
 
 
+
+def gradient_scatters(groups: RowGroups, optimizer: Any, weights: Sequence[Any],
+                      grid: tuple[int, ...], specs: Sequence[Spec], mesh: MeshShape
+                      ) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+    """With the parallel optimizer on (ZeRO levels 1-3), the stacked weights whose gradients
+    the loop sums over the row groups by reduce-scatter: ``(j, dim, axes)``, dimension ``dim``
+    of ``[S, v, k, ...]`` split further over ``axes`` (row axes), where
+    :func:`jaxpar._src.optimizer_parallel.optimizer_pins` splits the weight's moments, so the
+    update reads its slice and no device holds the whole gradient (data parallel's
+    :mod:`jaxpar._src.scatter`).  ``weights``: one layer's weights (avals), ``specs``: their
+    stacked layouts, ``grid``: ``(S, v, k)``.
+
+    >>> import jax, jaxpar
+    >>> g = RowGroups(("dp",), 4, object(), None, (), "")  # grouped over dp
+    >>> opt = jaxpar.OptimizerParallel(level=2, threshold_kb=0)
+    >>> w = jax.ShapeDtypeStruct((16, 16), "float32")
+    >>> gradient_scatters(g, opt, [w], (2, 1, 4), [Spec((("pp",), (), (), (), ()))],
+    ...                   MeshShape(("dp", "pp"), (4, 2)))
+    ((0, 2, ('dp',)),)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar._src.optimizer_parallel import _stacked_dim
+
+    if not groups.on or optimizer is None or optimizer.level < 1:
+        return ()
+    stretched = {i for kind, i, _, _ in groups.cuts if kind == "w"}  # per row: no sum
+    out = []
+    for j, (w, spec) in enumerate(zip(weights, specs, strict=True)):
+        if j in stretched or not jnp.issubdtype(w.dtype, jnp.inexact):
+            continue
+        stacked = jax.ShapeDtypeStruct(tuple(grid) + tuple(w.shape), w.dtype)
+        dim, axes = _stacked_dim(optimizer, stacked, strip(spec, groups.axes), groups.axes,
+                                 mesh)
+        if axes:
+            out.append((j, dim, axes))
+    return tuple(out)
+
 # -- the proof -----------------------------------------------------------------------------------
 def _mixes_rows(graph: OpGraph, small: OpGraph, layer: Any, seeds: dict[int, RowDim],
                 rows: int, groups: int) -> str | dict[int, tuple[int, int]]:

@@ -338,7 +338,27 @@ class _Tick:
         row axes a step makes for them."""
         if self.groups is None:
             return gs
-        return [g if j in self.w_cuts else jnp.sum(g, axis=1) for j, g in enumerate(gs)]
+        scatters = {j: (dim, axes) for j, dim, axes in self.program.scatters}
+        return [g if j in self.w_cuts else
+                self._scatter(g, self.w_local[j], *scatters[j]) if j in scatters else
+                jnp.sum(g, axis=1) for j, g in enumerate(gs)]
+
+    def _scatter(self, g: Any, spec: Spec, dim: int, axes: tuple[str, ...]) -> Any:
+        """``g`` (``[v, G, k, ...]``, laid out ``spec``) summed over the groups by one
+        reduce-scatter (ZeRO: ``program.scatters``), dimension ``dim`` of ``[S, v, k, ...]``
+        split further over ``axes``.  Written out (``psum_scatter`` manual over every axis but
+        ``"pp"``, as :mod:`jaxpar._src.scatter` does): XLA:CPU keeps an all-reduce and a slice
+        for a sum pinned split."""
+        mesh = self.pieces.mesh()
+        dims = list(spec.dims[:1] + spec.dims[2:])
+        dims[dim - 1] = dims[dim - 1] + axes
+
+        def local(x: Any) -> Any:
+            return jax.lax.psum_scatter(x[:, 0], axes, scatter_dimension=dim - 1, tiled=True)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=spec.to_partition_spec(),
+                             out_specs=Spec(tuple(dims)).to_partition_spec(),
+                             axis_names=set(mesh.axis_names) - {AXIS}, check_vma=False)(g)
 
     def _chunk_forward(self, w_c: list, act_c: Any, x: list, batch_m: list) -> tuple:
         """The chunk's output and the residual leaves its backward needs."""

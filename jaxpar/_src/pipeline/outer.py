@@ -61,7 +61,8 @@ def loop_specs(program: Any, *, backward: bool) -> tuple[list[Spec], list[Spec]]
     rest = [program.spec(v) for v in program.rest]
     batch = [program.batch_spec(j) for j in range(len(program.batch))]
     ins = w + rest + batch
-    outs = [Spec(())] + (w + rest + batch if backward else [])
+    grads = [program.grad_spec(j) for j in range(len(program.stacked))]
+    outs = [Spec(())] + (grads + rest + batch if backward else [])
     return ins, outs
 
 

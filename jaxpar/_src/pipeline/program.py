@@ -28,7 +28,7 @@ from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
-from jaxpar._src.pipeline.groups import RowGroups, row_groups
+from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
@@ -39,7 +39,7 @@ from jaxpar._src.pipeline.split import (
     slots_within,
 )
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.spec import Spec
+from jaxpar._src.spec import MeshShape, Spec
 
 _ids = itertools.count(1)
 
@@ -75,6 +75,9 @@ class PipelineProgram:
     hardware: HardwareProfile
     act_bytes: float  # the carried values of one micro-batch, per device
     groups: RowGroups  # the chunks per data-parallel row group (groups.py), or why not
+    # ZeRO: (stacked position, dimension of [S, v, k, ...], axes) of the gradients summed over
+    # the row groups by reduce-scatter, split as their optimizer state (groups.scatters)
+    scatters: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
 
     @property
     def rep_layer(self) -> Layer:
@@ -89,6 +92,15 @@ class PipelineProgram:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
         counts the stacked positions)."""
         return Spec(((AXIS,), (), ()) + self.spec(self.rep_layer.weights[self.stacked[j]]).dims)
+
+    def grad_spec(self, j: int) -> Spec:
+        """Stacked weight ``j``'s gradient layout: :meth:`weight_spec`, split further where
+        the loop reduce-scatters it (``scatters``, ZeRO)."""
+        dims = list(self.weight_spec(j).dims)
+        for i, dim, axes in self.scatters:
+            if i == j:
+                dims[dim] = dims[dim] + axes
+        return Spec(tuple(dims))
 
     def stacked_values(self, j: int) -> tuple[int, ...]:
         """Stacked weight ``j``'s value in every layer."""
@@ -116,8 +128,10 @@ def sub_mesh(mesh: Mesh, where: str) -> Mesh:
 
 def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int, ...],
                   config: PipelineConfig, mesh: Mesh, mode: Any, search_mode: str,
-                  hardware: HardwareProfile, where: str) -> PipelineProgram:
-    """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``."""
+                  hardware: HardwareProfile, where: str, optimizer: Any = None
+                  ) -> PipelineProgram:
+    """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``; with
+    ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered."""
     from jaxpar._src.context import ParallelMode
 
     S, M = config.stages, config.micro_batches
@@ -187,12 +201,17 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         start = split.first_layer(c)
         for i in range(split.counts[c]):
             slot_layer[c % S, c // S, i] = start + i
+    stacked_avals = [graph.values[rep_layer.weights[j]] for j in layers.stacked]
+    scatters = gradient_scatters(groups, optimizer, stacked_avals, slot_layer.shape,
+                                 [Spec(((AXIS,), (), ()) + plan.decisions[v.producer]
+                                       .out_specs[v.index].dims) for v in stacked_avals],
+                                 MeshShape.of(mesh))
     return PipelineProgram(
         next(_ids), config, mesh, plan, how, graph, layers, rep, split, schedule, forward,
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
-        costs["act_bytes"], groups)
+        costs["act_bytes"], groups, scatters)
 
 
 def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, where: str

@@ -157,6 +157,8 @@ class GradientReduction:
         with backward work, times the chunk's layer slots, runs the backward's code).
       run_bytes: per device, what one run reduces.
       why: grouped, or why not.
+      scattered_bytes: of ``run_bytes``, what is reduce-scattered, not all-reduced (the
+        parallel optimizer on: split as the weights' optimizer state, ``program.scatters``).
     """
 
     axes: tuple[str, ...]
@@ -164,6 +166,13 @@ class GradientReduction:
     runs: int
     run_bytes: float
     why: str
+    scattered_bytes: float = 0.0
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collective kinds the reduction runs as in the compiled step."""
+        kinds = ("reduce-scatter",) if self.scattered_bytes else ()
+        return kinds + (("all-reduce",) if self.run_bytes > self.scattered_bytes else ())
 
     @property
     def step_bytes(self) -> float:
@@ -180,6 +189,8 @@ class GradientReduction:
             return None
         mesh = MeshShape.of(program.mesh)
         layer = 0.0  # one layer's stacked weight gradients, per device
+        scattered = 0.0  # of which reduce-scattered
+        split = {j for j, _, _ in program.scatters}
         for j in range(len(program.stacked)):
             v = program.graph.values[program.stacked_values(j)[0]]
             if not jnp.issubdtype(v.dtype, jnp.inexact) or not _from_inputs(program.graph,
@@ -187,19 +198,26 @@ class GradientReduction:
                 continue  # no gradient (a constant's is dead: XLA drops it)
             spec = strip(program.spec(program.rep_layer.weights[program.stacked[j]]),
                          groups.axes)
-            layer += math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
+            nbytes = math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
                 math.prod(v.shape), 1)
+            layer += nbytes
+            scattered += nbytes if j in split else 0.0
         k, repeats = program.split.slots, program.config.repeats
         if groups.on:
-            return cls(groups.axes, True, 1, repeats * k * layer, groups.why)
+            return cls(groups.axes, True, 1, repeats * k * layer, groups.why,
+                       repeats * k * scattered)
         ticks = sum(stop - start for start, stop, _, has_b in
                     SlotTables.of(program.schedule).phases() if has_b)
         return cls(groups.axes, False, ticks * k, layer, groups.why)
 
     def explain(self) -> str:
         axes = "+".join(self.axes)
-        how = (f"1 all-reduce over {axes} of {_bytes(self.run_bytes)} per device after the "
-               f"loop" if self.once else
+        scatter = (f"reduce-scatter (split as the optimizer state) of "
+                   f"{_bytes(self.scattered_bytes)}" if self.scattered_bytes else "")
+        rest = self.run_bytes - self.scattered_bytes
+        once = " + ".join(([scatter] if scatter else []) +
+                          ([f"all-reduce of {_bytes(rest)}"] if rest else []))
+        how = (f"1 {once} over {axes} per device after the loop" if self.once else
                f"all-reduces over {axes} inside the loop, {self.runs} runs of "
                f"{_bytes(self.run_bytes)} per device ({_bytes(self.step_bytes)} a step)")
         return f"stage weight gradients: {how}; {self.why}"

@@ -35,6 +35,7 @@ class Tracing:
     mode: Any
     search_mode: str
     hardware: HardwareProfile
+    optimizer: Any = None  # OptimizerParallel (ZeRO): the stacked gradients reduce-scattered
     built: list[Any] = dataclasses.field(default_factory=list)  # PipelineProgram, in order
 
 
