@@ -93,6 +93,20 @@ def test_repeated_layers_are_priced_once():
     assert recursive_plan(alone, 0.0) == recursive_plan(six, 0.0)
 
 
+def _residual_stack(layers: int):
+    """The traced SGD step of ``layers`` identical residual GELU layers (d=32, batch 16)."""
+    def loss(ps, x):
+        for p in ps:
+            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
+
+    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(layers)]
+    return trace(step, (ps, jnp.ones((16, 32))))
+
+
 def test_calibration_keeps_only_prices_the_bucket_does_not_change():
     """After calibrating the bucket on the data-parallel baseline (as auto_parallel does), the
     space still caches the prices that do not depend on the bucket; every operator and
@@ -102,16 +116,7 @@ def test_calibration_keeps_only_prices_the_bucket_does_not_change():
     from jaxpar._src.pins import baseline_pins
     from jaxpar._src.search.propagation import propagate
 
-    def loss(ps, x):
-        for p in ps:
-            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
-        return jnp.mean(x ** 2)
-
-    def step(ps, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
-
-    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(3)]
-    program = trace(step, (ps, jnp.ones((16, 32))))
+    program = _residual_stack(3)
     mesh = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
     model = CostModel(mesh, HardwareProfile())
     space = SearchSpace(program.graph, model)
@@ -284,16 +289,7 @@ def test_propagation_answers_each_repeated_question_once(monkeypatch):
     from jaxpar._src.search.common import Pin
     from jaxpar._src.spec import Spec
 
-    def loss(ps, x):
-        for p in ps:
-            x = x + jax.nn.gelu(x @ p["w"] + p["b"])
-        return jnp.mean(x ** 2)
-
-    def step(ps, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
-
-    ps = [{"w": jnp.ones((32, 32)), "b": jnp.zeros((32,))} for _ in range(6)]
-    program = trace(step, (ps, jnp.ones((16, 32))))
+    program = _residual_stack(6)
     model = CostModel(MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp"))), HardwareProfile())
     space = SearchSpace(program.graph, model)
     pins = list(baseline_pins(program, space, [1], [], api="test"))
