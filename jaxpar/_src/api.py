@@ -157,8 +157,6 @@ class Parallelized:
         self._implicit: dict[Any, Mesh | None] = {}  # meshes built from the strategies
         self._fast = FastPath()  # the last call's program, for a call like it (dispatch.py)
         self._rungs: dict[Any, Rung] = {}  # recompute choices planned and compiled
-        # id(rung) -> its executable, where XLA compiled it here (not JAX's persistent cache)
-        self._rung_executables: dict[int, Any] = {}
 
     # -- public -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -336,7 +334,7 @@ class Parallelized:
         if rung is not None:  # the chosen rung's jitted function, its executable compiled
             flat_in = rung.in_shardings  # (lowering reads plan.decisions)
             build = _given(rung.jitted)
-            kept = self._rung_executables.get(id(rung))  # XLA compiled it in this process
+            kept = rung.executable  # where XLA compiled it in this process
             if cache_dir and key is not None and text_sha is not None and storable() and \
                     kept is not None:  # kept beside the entry the choice is stored in
                 store_in_background(cache_dir, executable_key(
@@ -455,9 +453,8 @@ class Parallelized:
                 compiled = keep if keep is not None else lowered.compile()  # (now in memory)
                 self._rungs[key] = Rung(policies, program, batch, plan,
                                         float(inspect_memory(compiled)["total"]),
-                                        inspect_flops(compiled), jitted, flat_in)
-                if keep is not None:  # what the plan cache may keep (compile_to_keep)
-                    self._rung_executables[id(self._rungs[key])] = keep
+                                        inspect_flops(compiled), jitted, flat_in,
+                                        executable=keep)  # what the plan cache may keep
             return self._rungs[key]
 
         levels: dict[int, str] = {}

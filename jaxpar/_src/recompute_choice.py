@@ -58,6 +58,9 @@ class Rung:
     # of a chosen rung runs it, and jax.jit's caches hold the executable measured above.
     jitted: Any = None
     in_shardings: tuple[Any, ...] = ()
+    # The executable XLA compiled for the rung in this process, which the plan cache may keep
+    # beside the entry holding the choice; None where JAX's persistent cache served it.
+    executable: Any = None
 
 
 def ladder(n: int) -> list[tuple[str, ...]]:
