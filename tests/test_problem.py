@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxpar
 from jaxpar._src.cost import CostModel
@@ -91,6 +92,62 @@ def test_repeated_layers_are_priced_once():
                for r in six.reps)
     assert all((alone.edges[k] == six.edges[k]).all() for k in six.edges)
     assert recursive_plan(alone, 0.0) == recursive_plan(six, 0.0)
+
+
+def _mixed_stack_graph():
+    """An SGD step of layers of two widths (32 and 48, alternating, then 32 again): the
+    same layouts meet on edges of different shapes."""
+    def loss(ps, x):
+        for p in ps:
+            x = jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
+
+    widths = [32, 48, 32, 48, 32]
+    ps = [{"w": jnp.ones((a, b)), "b": jnp.zeros((b,))}
+          for a, b in zip(widths, widths[1:] + [32], strict=True)]
+    return trace(step, (ps, jnp.ones((16, 32)))).graph
+
+
+def _pinned_weight(problem):
+    """A pin on the first layer's weight, split over ``mp`` on its rows: that layer's
+    neighbours then differ from the other layers' (the graph's first two-dimensional input)."""
+    from jaxpar._src.search.common import Pin
+    from jaxpar._src.spec import Spec
+
+    graph = problem.space.graph
+    node = next(n.id for n in graph.nodes
+                if n.kind == "input" and len(graph.values[n.outputs[0]].shape) == 2)
+    (strategy,) = [c for c in problem.space.candidates(node)
+                   if c.out_specs[0] == Spec((("mp",), ()))]
+    return [Pin(node, strategy, "test")]
+
+
+@pytest.mark.parametrize("case", ["repeated", "two widths", "one layer pinned"])
+def test_a_build_sharing_prices_is_the_build_pricing_each_node_and_edge_alone(case):
+    """Nodes and edges alike share one price, and layout changes one price per pair of
+    layouts of one shape and dtype (issue 14): the problem is exactly the one of pricing each
+    node and edge on its own, whatever the layers' shapes and pins."""
+    graph = _mixed_stack_graph() if case == "two widths" else _stack_graph(4)
+    pins = _pinned_weight(_problem(graph)) if case == "one layer pinned" else []
+    mesh = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
+
+    def build(share):
+        space = SearchSpace(graph, CostModel(mesh, HardwareProfile()))
+        return build_problem(space, pins, share=share)
+
+    shared, alone = build(True), build(False)
+    assert shared.priced["edges"] < alone.priced["edges"]  # something was shared
+    assert shared.reps == alone.reps and shared.cands == alone.cands
+    assert shared.forced == alone.forced and len(shared.forced) == len(pins)
+    assert shared.follow.keys() == alone.follow.keys()
+    assert all((shared.follow[f][1] == alone.follow[f][1]).all() for f in shared.follow)
+    assert all((shared.cost[r] == alone.cost[r]).all() and (shared.mem[r] == alone.mem[r]).all()
+               for r in shared.reps)
+    assert shared.edges.keys() == alone.edges.keys()
+    assert all((shared.edges[k] == alone.edges[k]).all() for k in shared.edges)
 
 
 def _residual_stack(layers: int):

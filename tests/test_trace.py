@@ -49,6 +49,29 @@ def test_source_locations_point_at_user_code():
     assert dot.source.startswith("test_trace.py:") and dot.source.endswith("(f)")
 
 
+def test_call_sites_tell_callers_apart_and_are_the_frames_own_lines():
+    """A helper called from two lines is two operators; called from one line in a loop, one
+    kind repeated.  The call sites (remembered per traceback: issue 14) are the user frames'
+    ``(file, line)``, innermost first."""
+    from jaxpar._src.compat import call_sites, source_frames
+
+    def dense(x, w):
+        return x @ w
+
+    def f(x, w):
+        for _ in range(3):
+            x = dense(x, w)  # one line, three layers
+        return dense(x, w)  # another line
+
+    graph = trace(f, (jnp.ones((4, 4)), jnp.ones((4, 4)))).graph
+    dots = [n.eqn for n in graph.nodes if n.name == "dot_general"]
+    sites = [call_sites(e) for e in dots]
+    assert len(dots) == 4 and sites[0] == sites[1] == sites[2] != sites[3]
+    for eqn, got in zip(dots, sites, strict=True):
+        assert got == tuple((name, line) for name, line, _ in source_frames(eqn))
+        assert got[0][0].endswith("test_trace.py") and call_sites(eqn) == got
+
+
 def test_dead_equations_are_dropped():
     def f(x):
         _unused = jnp.exp(x) * 3

@@ -284,7 +284,9 @@ _POST_ORDERS: weakref.WeakKeyDictionary[OpGraph, tuple[np.ndarray, dict[tuple[in
 
 
 def _find_post_order(graph: OpGraph) -> tuple[np.ndarray, dict[tuple[int, int], int]]:
-    position = np.full(len(graph.nodes), -1, dtype=np.int64)
+    # positions in a list while the walk reads them one at a time (an array's items are
+    # slower to read and write one by one: issue 14), an array once found
+    position = [-1] * len(graph.nodes)
     edges: dict[tuple[int, int], int] = {}
     k = 0
     roots = list(graph.outputs) + [n.id for n in graph.nodes if n.kind != "output"]
@@ -311,7 +313,7 @@ def _find_post_order(graph: OpGraph) -> tuple[np.ndarray, dict[tuple[int, int], 
             else:
                 position[nid] = k
                 k += 1
-    return position, edges
+    return np.asarray(position, dtype=np.int64), edges
 
 
 def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel

@@ -54,9 +54,28 @@ _LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]")
 def _own_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
     """The user frames of ``eqn`` (:func:`source_frames`): those outside installed libraries
     when there are any, else all."""
+    return _derived(eqn)[1]
+
+
+def _derived(eqn: jcore.JaxprEqn) -> tuple[tuple, tuple[tuple[str, int, str], ...],
+                                           tuple[tuple[str, int], ...]]:
+    """``(frames, own frames, call sites)`` of ``eqn``: the equations of one layer, and of
+    every layer, share their frames (one tuple, :func:`source_frames`), so what is derived
+    from them is worked out once per tuple (issue 14: the layer groups ask for every
+    operator's call sites).  The entry holds the tuple, so its id stays its own."""
     frames = source_frames(eqn)
-    own = tuple(f for f in frames if not _is_library(f[0]))
-    return own or frames
+    found = _DERIVED.get(id(frames))
+    if found is None or found[0] is not frames:
+        own = tuple(f for f in frames if not _is_library(f[0])) or frames
+        found = (frames, own, tuple((name, line) for name, line, _ in own))
+        if len(_DERIVED) > 100_000:  # a bound, as for the tracebacks
+            _DERIVED.clear()
+        _DERIVED[id(frames)] = found
+    return found
+
+
+_DERIVED: dict[int, tuple[tuple, tuple[tuple[str, int, str], ...], tuple[tuple[str, int], ...]]] \
+    = {}
 
 
 def _is_library(file_name: str) -> bool:
@@ -101,8 +120,9 @@ def source_frames(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int, str], ...]:
                 out.append(found[1])
         if len(_TRACEBACKS) > 100_000:  # a bound: a long session traces many programs
             _TRACEBACKS.clear()
-        _TRACEBACKS[whole] = (tuple(codes), tuple(out))
-        return tuple(out)
+        frames = tuple(out)  # the one tuple every equation of this traceback gets
+        _TRACEBACKS[whole] = (tuple(codes), frames)
+        return frames
     except Exception:  # noqa: BLE001 - a missing location must never break planning
         return ()
 
@@ -144,7 +164,7 @@ def call_sites(eqn: jcore.JaxprEqn) -> tuple[tuple[str, int], ...]:
     """``(file, line)`` of every frame of the user's code on the way to ``eqn``, innermost
     first: one line of a helper called from several places (a ``dense`` function, a Flax
     layer) stands for different operators, its callers tell them apart."""
-    return tuple((name, line) for name, line, _ in _own_frames(eqn))
+    return _derived(eqn)[2]
 
 
 def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
