@@ -230,6 +230,8 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
             value = graph.values[node.outputs[0]]
             own = model.scatter_collectives(scatter.axes, scatter.summed, strat.out_specs[0],
                                             value.shape, value.dtype)
+        elif not strat.partial:  # no partial sums, no all-reduces (most operators: issue 14)
+            continue
         else:
             own = model.op_collectives(strat, [graph.values[v].shape for v in node.outputs],
                                        [graph.values[v].dtype for v in node.outputs])
