@@ -27,8 +27,11 @@ def _auto(step, mesh, mode="optimal", hw=TWO_LINKS):
 def test_choose_prefers_memory_only_within_the_tolerance(fastest, expected):
     from jaxpar._src.search.memory import MemoryEstimate
 
+    measured = []
+
     def option(name, step_s, peak):
-        return auto._Option(name, {}, step_s, MemoryEstimate(peak, 0.0, 0))
+        return auto._Option(name, {}, step_s,
+                            lambda: measured.append(name) or MemoryEstimate(peak, 0.0, 0))
 
     options = [option("search", 1.0, 100.0),
                option("lean", 1.0 + auto.NEAR / 2, 100.0 if fastest == 0 else 90.0),
@@ -36,6 +39,7 @@ def test_choose_prefers_memory_only_within_the_tolerance(fastest, expected):
     chosen, why = auto._choose(options, budget=1e3, roomy=True)
     assert chosen.name == expected
     assert ("memory breaks the tie" in why) == (expected == "lean")
+    assert sorted(measured) == ["lean", "search"]  # every plan fits: the slow one unmeasured
     chosen, _ = auto._choose(options, budget=50.0, roomy=False)  # only data parallel fits
     assert chosen.name == "baseline"
     assert auto._choose(options, budget=5.0, roomy=False)[0] is None

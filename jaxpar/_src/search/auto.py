@@ -176,7 +176,7 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     def option(name: str, plan: Mapping[int, OpStrategy]) -> _Option:
         plan = split_inputs(space, plan, pinned)  # as each would end: compared as used
         return _Option(name, plan, space.price(plan).step_s,
-                       _estimate(space, plan, split, roomy))
+                       functools.partial(_estimate, space, plan, split, roomy))
 
     options = [option("search", strategies)]
     lean = _lean(problem, choice)
@@ -226,12 +226,26 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
 @dataclasses.dataclass(frozen=True)
 class _Option:
     """A finished plan the frame compares: the search's, its memory-lean polish, data
-    parallel."""
+    parallel.  Its memory is measured when first asked (``measure``): where every plan fits
+    (``roomy``), only the options within :data:`NEAR` of the fastest need it (issue 14: a
+    deep model's data-parallel plan, far slower, is not measured).
+
+    >>> o = _Option("x", {}, 1.0, lambda: print("measured") or 7)
+    >>> o.estimate
+    measured
+    7
+    >>> o.estimate
+    7
+    """
 
     name: str
     strategies: dict[int, OpStrategy]
     step_s: float  # priced whole, as XLA runs it
-    estimate: MemoryEstimate
+    measure: Callable[[], MemoryEstimate]
+
+    @functools.cached_property
+    def estimate(self) -> MemoryEstimate:
+        return self.measure()
 
 
 def _lean(problem: Problem, choice: dict[int, int]) -> dict[int, int]:
