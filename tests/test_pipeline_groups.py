@@ -244,3 +244,26 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
     assert sum(r.count for r in head) > 1  # once per micro-batch (the 1-tick phase included)
     assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
         colls.table()
+
+
+def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
+    def loss(p, tokens, labels):
+        x = p["emb"][tokens]
+        x = x - jnp.mean(x, axis=0)  # a batch statistic the layers read
+        for i in range(4):
+            x = x + jnp.tanh(x @ p["w"][i])
+        logp = jax.nn.log_softmax(x @ p["head"])
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    _, p, tokens, labels = _lm()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss)),
+                                  micro_batches=4, batch_argnums=(1, 2))
+        pipe = step.plan(p, tokens, labels).pipeline
+    red = pipe.gradient_reduction
+    assert red.once  # the layers and the epilogue still run per group
+    assert "prologue: per micro-batch: reduce_sum reduces over the rows" in red.ends_why, red
+    assert "epilogue: head summed per group" in pipe.explain()
+    assert red.ends_bytes == D * V * 4  # the head's only

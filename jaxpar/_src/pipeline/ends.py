@@ -53,6 +53,11 @@ class EndGroups:
       layers: of ``grouped``, those the layers read (a weight every layer shares): the
         chunk's vmap takes them per group too.
       why_prologue, why_epilogue: one line each for ``explain()``.
+
+    >>> EndGroups(epilogue=True, grouped=(2,)).on  # the weight at rest index 2 per group
+    True
+    >>> EndGroups(why_epilogue="per micro-batch: the layers are not grouped").on
+    False
     """
 
     prologue: bool = False

@@ -21,8 +21,8 @@ it from the layer's operators, following the row dimension through each (element
 transpose, broadcast, dot_general on a free or batch dimension, reductions over other
 dimensions, ...).  Anything else (a batch-mean normalization, a reduction or contraction over the
 rows, an operator it does not know, a loop over the rows) keeps the per-micro-batch reduction,
-and ``plan.pipeline.explain()`` says why.  The prologue and epilogue (embedding, loss) are not
-grouped: their weight gradients are still reduced per micro-batch.
+and ``plan.pipeline.explain()`` says why.  Where the layers are grouped, the prologue's backward
+and the epilogue (embedding, head, loss) run per group too when ``ends.py`` proves it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,11 @@ Where ``groups.py`` proves the layers keep the rows of a micro-batch apart, a ch
 and backward run under ``jax.vmap`` over the data-parallel row groups with the weights broadcast
 per group, and a stage accumulates per-group weight gradients ``[v, G, k, ...]``: summed over
 the groups (one all-reduce over the row axes) after the loop, not once per micro-batch in it.
-The prologue's and epilogue's gradients (embedding, head) are still reduced per micro-batch.
+Where ``ends.py`` proves it, the prologue's backward and the epilogue's head run per group too
+(the loss's reduction over the rows on the whole micro-batch), and the unstacked weights they
+and the layers read (embedding, head, final norm, a weight every layer shares) accumulate
+``[G, ...]`` gradients, summed after the loop as well; elsewhere they are reduced per
+micro-batch.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ class PipelinePlan:
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
-      gradient_reduction: how the stacked weights' gradients are reduced over the
-        data-parallel axes (:class:`GradientReduction`; ``None`` if the rows are not split).
+      gradient_reduction: how the stacked weights' gradients, and the prologue's, epilogue's
+        and shared unstacked weights', are reduced over the data-parallel axes
+        (:class:`GradientReduction`; ``None`` if the rows are not split).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> def loss(w, x):
