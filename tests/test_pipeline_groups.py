@@ -150,7 +150,7 @@ V, D = 24, 8  # vocabulary, width
 
 def _lm(normalize_before_head=False):
     """A toy language model: embedding + position (prologue), 4 layers sharing a gate, final
-    scale, head and mean cross-entropy (epilogue)."""
+    scale, head and mean cross-entropy plus weight decay (epilogue)."""
     def loss(p, tokens, labels):
         x = p["emb"][tokens] + p["pos"]  # [rows, seq, D]: a gather of each row's tokens
         gate = p["gate"][None, None]  # made once: every layer reads the same value
@@ -160,7 +160,8 @@ def _lm(normalize_before_head=False):
             x = x - jnp.mean(x, axis=0)
         logits = (x * p["scale"]) @ p["head"]
         logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+        decay = 1e-2 * jnp.sum(p["head"] ** 2)  # read by the tail: no rows, no reduction
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1)) + decay
 
     keys = jax.random.split(jax.random.key(0), 6)
     p = {"emb": jax.random.normal(keys[0], (V, D)), "pos": jax.random.normal(keys[1], (4, D)),
@@ -210,6 +211,7 @@ def test_embedding_and_head_gradients_are_reduced_once_per_step(schedule):
     common = [program.layers.layers[0].weights[j] for j in program.layers.common]
     assert common and [program.rest[i] for i in program.ends.layers] == common  # the gate
     assert red.once and "after the loop" in red.ends_why and "after the loop" in pipe.explain()
+    assert "1 weight(s) it reads after mixing rows per micro-batch" in red.ends_why  # decay
     # emb [24, 8] + pos [4, 8] (prologue), gate [8] (layers), scale [8] + head [8, 24]
     # (epilogue): whole per device, summed per dp group in the loop
     assert red.ends_bytes == (V * D + 4 * D + D + D + D * V) * 4
@@ -236,7 +238,8 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
     # the head reads the normalized rows: its gradient contracts over every row of the
     # micro-batch, so it stays per micro-batch; the prologue still runs per group
     assert program.ends.prologue and not program.ends.epilogue
-    assert "epilogue: per micro-batch: the loss reads a weight" in red.ends_why, red.ends_why
+    assert "epilogue: per micro-batch: the loss reads its weights after mixing rows" in \
+        red.ends_why, red.ends_why
     assert red.ends_bytes == (V * D + 4 * D + D) * 4  # the embedding's, position's, gate's
     inside, after = _in_loop(colls)
     head = [r for r in inside if any(sh in (f"f32[{D},{V}]", f"f32[{V},{D}]") for sh in r.shapes)]

@@ -19,10 +19,11 @@ over the groups once after the loop instead of all-reduced once per micro-batch 
   statistic) sees them all: exact by construction.  Its cotangent flows into each group's
   head, whose weight gradient is that group's own.
 
-The tail may read a weight only through operators that read no rows (a weight-decay term):
-such a gradient needs no reduction over the rows.  A weight read after the rows are mixed (a
-head after a batch normalization) keeps the epilogue per micro-batch, and
-``plan.pipeline.explain()`` says why, as it does for a prologue that mixes rows.
+The tail differentiates the weights it reads on the whole micro-batch, as before: a
+weight-decay term added to the loss is exact and needs no reduction over the rows.  When only
+the tail reads weights (a head after a batch normalization: their gradients contract over the
+mixed rows) nothing is gained and the epilogue stays per micro-batch; ``plan.pipeline
+.explain()`` says why, as it does for a prologue that mixes rows.
 """
 
 from __future__ import annotations
@@ -119,14 +120,16 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
         return EndGroups(pro_on, False, pro_cuts=pro_cuts, grouped=tuple(sorted(grouped)),
                          layers=tuple(sorted(layers)), why_prologue=why_pro,
                          why_epilogue=f"{per}: {epi}")
-    head, tail, bound, sliced = epi
+    head, tail, bound, sliced, late = epi
     epi_cuts = tuple((where[v], e) for v, (e, _) in sliced.items())
     grouped |= {where[v] for v in _reads(graph, head) if v in where and floats[where[v]]
                 and v not in sliced}
+    note = (f"; {len(late)} weight(s) it reads after mixing rows per micro-batch"
+            if late else "")
     return EndGroups(pro_on, True, head, tail, bound, pro_cuts, epi_cuts,
                      tuple(sorted(grouped)), tuple(sorted(layers)), why_pro,
                      f"head summed per group after the loop, the loss's last {len(tail)} "
-                     f"operators (its reduction over the rows) on the whole micro-batch")
+                     f"operators (its reduction over the rows) on the whole micro-batch{note}")
 
 
 def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],
@@ -149,19 +152,21 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
         if not more:
             break
         tail_set |= more
-    for top in tail_set:
-        for v in _reads(graph, [top]):
-            if v in where and floats[where[v]] and _reads_rows(graph, top, state):
-                return (f"the loss reads a weight ({graph.values[v].shape}) after mixing rows "
-                        f"({graph.nodes[top].name}, {graph.nodes[top].source})")
     head = tuple(n for n in nodes if n not in tail_set)
+    late = [(v, top) for top in sorted(tail_set) for v in _reads(graph, [top])
+            if v in where and floats[where[v]] and _reads_rows(graph, top, state)]
+    if late and not any(v in where and floats[where[v]] for v in _reads(graph, head)):
+        v, top = late[0]
+        return (f"the loss reads its weights after mixing rows ({graph.values[v].shape} in "
+                f"{graph.nodes[top].name}, {graph.nodes[top].source})")
     tail = tuple(n for n in nodes if n in tail_set)
     bound = sorted({v for top in tail for v in _reads(graph, [top])
                     if v in made and made[v] not in tail_set})
     bad = [v for v in bound if state.get(v) in (None, MIXED)]
     assert not bad, bad  # the closure above moved the row-free ones into the tail
     return head, tail, tuple((v, state[v][0]) for v in bound), {
-        v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)}
+        v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)}, \
+        tuple(sorted({where[v] for v, _ in late}))
 
 
 def _reads_rows(graph: OpGraph, top: int, state: dict[int, RowDim]) -> bool:
