@@ -268,5 +268,5 @@ def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
     red = pipe.gradient_reduction
     assert red.once  # the layers and the epilogue still run per group
     assert "prologue: per micro-batch: reduce_sum reduces over the rows" in red.ends_why, red
-    assert "epilogue: head summed per group" in pipe.explain()
+    assert "epilogue: runs per group up to the loss's reduction" in pipe.explain()
     assert red.ends_bytes == D * V * 4  # the head's only

@@ -112,8 +112,8 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
         read = _reads(graph, pro_nodes)
         grouped |= {where[v] for v in read if v in where and floats[where[v]]
                     and v not in sliced}
-        why_pro, pro_on = (f"summed per group after the loop ({len(pro_nodes)} operators "
-                           f"keep rows apart)"), True
+        why_pro, pro_on = (f"runs per group (its {len(pro_nodes)} operators keep rows "
+                           f"apart)"), True
 
     epi = _epilogue(graph, small, epi_nodes, epi_seeds, rows, size, where, floats, out)
     if isinstance(epi, str):
@@ -128,8 +128,8 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
             if late else "")
     return EndGroups(pro_on, True, head, tail, bound, pro_cuts, epi_cuts,
                      tuple(sorted(grouped)), tuple(sorted(layers)), why_pro,
-                     f"head summed per group after the loop, the loss's last {len(tail)} "
-                     f"operators (its reduction over the rows) on the whole micro-batch{note}")
+                     f"runs per group up to the loss's reduction over the rows (its last "
+                     f"{len(tail)} operators on the whole micro-batch){note}")
 
 
 def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],

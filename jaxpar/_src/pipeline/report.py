@@ -257,6 +257,8 @@ def _ends(program: Any, mesh: Any) -> tuple[float, str]:
     if ends.on:
         how = (f"1 all-reduce of {_bytes(total)} over {'+'.join(axes)} per device after the "
                f"loop for those summed per group")
+    elif ends.prologue and ends.epilogue:
+        how = "none summed per group (no weight read there)"
     else:
         how = "inside the loop, per micro-batch"
     return total, (f"prologue/epilogue weight gradients: {how}; prologue: {ends.why_prologue}; "
