@@ -210,6 +210,8 @@ def test_embedding_and_head_gradients_are_reduced_once_per_step(schedule):
     assert program.ends.prologue and program.ends.epilogue, red.ends_why
     common = [program.layers.layers[0].weights[j] for j in program.layers.common]
     assert common and [program.rest[i] for i in program.ends.layers] == common  # the gate
+    # no part reads them whole: the loop keeps only their [G, ...] accumulators
+    assert program.ends.only == program.ends.grouped and len(program.ends.grouped) == 5
     assert red.once and "after the loop" in red.ends_why and "after the loop" in pipe.explain()
     assert "1 weight(s) it reads after mixing rows per micro-batch" in red.ends_why  # decay
     # emb [24, 8] + pos [4, 8] (prologue), gate [8] (layers), scale [8] + head [8, 24]

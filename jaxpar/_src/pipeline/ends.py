@@ -53,6 +53,8 @@ class EndGroups:
       grouped: rest indices whose gradients a group accumulates on its own (``[G, ...]``).
       layers: of ``grouped``, those the layers read (a weight every layer shares): the
         chunk's vmap takes them per group too.
+      only: of ``grouped``, those no part reads whole (a prologue or epilogue not grouped,
+        the loss's tail): the loop keeps no per-micro-batch accumulator for them.
       why_prologue, why_epilogue: one line each for ``explain()``.
 
     >>> EndGroups(epilogue=True, grouped=(2,)).on  # the weight at rest index 2 per group
@@ -70,6 +72,7 @@ class EndGroups:
     epi_cuts: tuple[tuple[int, int], ...] = ()
     grouped: tuple[int, ...] = ()
     layers: tuple[int, ...] = ()
+    only: tuple[int, ...] = ()
     why_prologue: str = ""
     why_epilogue: str = ""
 
@@ -116,20 +119,30 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
                            f"apart)"), True
 
     epi = _epilogue(graph, small, epi_nodes, epi_seeds, rows, size, where, floats, out)
+    # the weights some part reads whole: their gradients accumulate per micro-batch too
+    whole = set() if pro_on else set(_reads(graph, pro_nodes))
     if isinstance(epi, str):
+        whole |= set(_reads(graph, epi_nodes))
         return EndGroups(pro_on, False, pro_cuts=pro_cuts, grouped=tuple(sorted(grouped)),
-                         layers=tuple(sorted(layers)), why_prologue=why_pro,
-                         why_epilogue=f"{per}: {epi}")
+                         layers=tuple(sorted(layers)), only=_only(grouped, whole, where),
+                         why_prologue=why_pro, why_epilogue=f"{per}: {epi}")
     head, tail, bound, sliced, late = epi
+    whole |= set(_reads(graph, tail))
     epi_cuts = tuple((where[v], e) for v, (e, _) in sliced.items())
     grouped |= {where[v] for v in _reads(graph, head) if v in where and floats[where[v]]
                 and v not in sliced}
     note = (f"; {len(late)} weight(s) it reads after mixing rows per micro-batch"
             if late else "")
     return EndGroups(pro_on, True, head, tail, bound, pro_cuts, epi_cuts,
-                     tuple(sorted(grouped)), tuple(sorted(layers)), why_pro,
+                     tuple(sorted(grouped)), tuple(sorted(layers)),
+                     _only(grouped, whole, where), why_pro,
                      f"runs per group up to the loss's reduction over the rows (its last "
                      f"{len(tail)} operators on the whole micro-batch){note}")
+
+
+def _only(grouped: set[int], whole: set[int], where: dict[int, int]) -> tuple[int, ...]:
+    """The grouped rest indices no part reads whole (``whole``: value ids)."""
+    return tuple(sorted(grouped - {where[v] for v in whole if v in where}))
 
 
 def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],
@@ -145,14 +158,16 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
         return "the loss does not reduce over the rows"
     made = {v: top for top in nodes for nid in members(graph, top)
             for v in graph.nodes[nid].outputs}
-    # the tail recomputes the row-free head values it reads (weights' work, constants)
+    # the tail recomputes the row-free head values it reads (weights' work, constants); the
+    # head keeps them too, for its own reads
+    mixed = set(tail_set)
     while True:
         more = {made[v] for top in tail_set for v in _reads(graph, [top])
                 if v in made and made[v] not in tail_set and state.get(v) is None}
         if not more:
             break
         tail_set |= more
-    head = tuple(n for n in nodes if n not in tail_set)
+    head = tuple(n for n in nodes if n not in mixed)
     late = [(v, top) for top in sorted(tail_set) for v in _reads(graph, [top])
             if v in where and floats[where[v]] and _reads_rows(graph, top, state)]
     if late and not any(v in where and floats[where[v]] for v in _reads(graph, head)):

@@ -121,7 +121,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 "in_ct": [_filled(a, fill) for a in carried0],
                 "res": buf(res.stored, tables.res_slots, res.specs),
                 "g_w": [ctx.grad_zeros(j, w) for j, w in enumerate(weights)],
-                "g_rest": [jnp.zeros_like(r) for r in rest],
+                "g_rest": ctx.rest_zeros(),
                 "g_rest_g": ctx.rest_group_zeros(),
                 "g_batch": [jnp.zeros_like(b) for b in batch],
             }
@@ -256,7 +256,7 @@ class _Tick:
         c["loss"] = c["loss"] + loss_m * self.scale
         c["res"] = [_put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
         c["ct"] = [_put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
-        c["g_rest"] = _add(c["g_rest"], g_rest)
+        c["g_rest"] = self._add_rest(c["g_rest"], g_rest)
         c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rest_g)
         c["g_batch"] = [_add_at(g, row["f_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
@@ -483,12 +483,26 @@ class _Tick:
         return [_constrain(self.pieces, a + g.astype(a.dtype), sp)
                 for a, g, sp in zip(acc, gs, self.rest_g_specs, strict=True)]
 
+    def rest_zeros(self) -> list:
+        """The accumulators of the rest's per-micro-batch gradients: a scalar placeholder for
+        a weight only ever summed per group (no second copy of its gradient)."""
+        only = set(self.ends.only) if self.ends is not None else set()
+        return [jnp.zeros((), r.dtype) if i in only else jnp.zeros_like(r)
+                for i, r in enumerate(self.rest)]
+
+    def _add_rest(self, acc: list, gs: list) -> list:
+        only = set(self.ends.only) if self.ends is not None else set()
+        return [a if i in only or not is_float(a) else a + g
+                for i, (a, g) in enumerate(zip(acc, gs, strict=True))]
+
     def rest_sums(self, g_rest: list, g_rest_g: list) -> list:
         """The rest's gradients: the per-micro-batch sums plus the per-group ones summed over
         the groups (the one reduction over the row axes a step makes for them)."""
         out = list(g_rest)
+        only = set(self.ends.only) if self.ends is not None else set()
         for i, g in zip(self._grouped(), g_rest_g, strict=True):
-            out[i] = out[i] + jnp.sum(g, axis=0)
+            total = jnp.sum(g, axis=0)
+            out[i] = total if i in only else out[i] + total
         return out
 
     # -- backward -----------------------------------------------------------------------------
@@ -533,7 +547,7 @@ class _Tick:
         c["in_ct"] = [jax.lax.ppermute(v, AXIS, self.bwd_perm) for v in ct_x]
         c["g_w"] = [_constrain(self.pieces, _add_at(g, row["b_local"], d), sp)
                     for g, d, sp in zip(c["g_w"], g_w, self.w_local, strict=True)]
-        c["g_rest"] = _add(c["g_rest"], g_r)
+        c["g_rest"] = self._add_rest(c["g_rest"], g_r)
         c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rg)
         c["g_batch"] = [_add_at(g, row["b_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
