@@ -7,6 +7,7 @@ and on the (dp, tp, pp) = (2, 2, 2) GPT trained with ``Model.train``."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
@@ -141,3 +142,133 @@ def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
     assert "reduce-scatter" in red.explain()
     # the update runs on the slices; the new weights are gathered once (level 2 keeps them whole)
     assert [r.count for r in grads if r.kind == "all-gather"] == [1], colls.table()
+
+
+# -- the prologue and epilogue per row group (ends.py) ---------------------------------------------
+V, D = 24, 8  # vocabulary, width
+
+
+def _lm(normalize_before_head=False):
+    """A toy language model: embedding + position (prologue), 4 layers sharing a gate, final
+    scale, head and mean cross-entropy plus weight decay (epilogue)."""
+    def loss(p, tokens, labels):
+        x = p["emb"][tokens] + p["pos"]  # [rows, seq, D]: a gather of each row's tokens
+        gate = p["gate"][None, None]  # made once: every layer reads the same value
+        for i in range(4):
+            x = x + jnp.tanh(x @ p["w"][i]) * gate
+        if normalize_before_head:  # a batch statistic read by the head: rows of every group
+            x = x - jnp.mean(x, axis=0)
+        logits = (x * p["scale"]) @ p["head"]
+        logp = jax.nn.log_softmax(logits)
+        decay = 1e-2 * jnp.sum(p["head"] ** 2)  # read by the tail: no rows, no reduction
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1)) + decay
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    p = {"emb": jax.random.normal(keys[0], (V, D)), "pos": jax.random.normal(keys[1], (4, D)),
+         "w": jax.random.normal(keys[2], (4, D, D)) * 0.3, "scale": jnp.ones(D) * 1.1,
+         "head": jax.random.normal(keys[3], (D, V)) * 0.3, "gate": jnp.linspace(0.5, 1.5, D)}
+    tokens = jax.random.randint(keys[4], (32, 4), 0, V)
+    labels = jax.random.randint(keys[5], (32, 4), 0, V)
+    return loss, p, tokens, labels
+
+
+def _lm_step(loss, p, tokens, labels, schedule):  # (dp, pp) = (4, 2): 2 rows per group
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": schedule}):
+        cell = jaxpar.PipelineCell(loss, bubble_fill=NAN)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=4,
+                                  batch_argnums=(1, 2))
+        value, grad = step(p, tokens, labels)
+        colls = jaxpar.inspect.collectives(step.lower(p, tokens, labels).compile())
+        return value, grad, colls, step.plan(p, tokens, labels).pipeline, cell.last_program
+
+
+def _close(value, grad, ref_value, ref_grad):
+    assert np.isfinite(value) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grad))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for k in ref_grad:
+        np.testing.assert_allclose(grad[k], ref_grad[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def _in_loop(colls):
+    """The collectives over dp inside the loop (its phases and their conditionals) and those
+    after it, in the step's entry computation (a phase of one tick runs once a step too)."""
+    over_dp = [r for r in colls if r.axes == ("dp",)]
+    after = [r for r in over_dp if r.computation.startswith("main")]
+    return [r for r in over_dp if r not in after], after
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_embedding_and_head_gradients_are_reduced_once_per_step(schedule):
+    loss, p, tokens, labels = _lm()
+    value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, schedule)
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(p, tokens, labels)  # one device
+    _close(value, grad, ref_value, ref_grad)
+    red = pipe.gradient_reduction
+    assert program.ends.prologue and program.ends.epilogue, red.ends_why
+    common = [program.layers.layers[0].weights[j] for j in program.layers.common]
+    assert common and [program.rest[i] for i in program.ends.layers] == common  # the gate
+    # no part reads them whole: the loop keeps only their [G, ...] accumulators
+    assert program.ends.only == program.ends.grouped and len(program.ends.grouped) == 5
+    assert red.once and "after the loop" in red.ends_why and "after the loop" in pipe.explain()
+    assert "1 weight(s) it reads after mixing rows per micro-batch" in red.ends_why  # decay
+    # emb [24, 8] + pos [4, 8] (prologue), gate [8] (layers), scale [8] + head [8, 24]
+    # (epilogue): whole per device, summed per dp group in the loop
+    assert red.ends_bytes == (V * D + 4 * D + D + D + D * V) * 4
+    inside, after = _in_loop(colls)
+    # inside the loop only the loss's sum over the rows (a scalar) crosses dp: no gradient,
+    # and no all-gather of the rows for the head or the embedding's scatter-add
+    assert inside and all(r.kind == "all-reduce" and r.shapes == ("f32[]",) for r in inside), \
+        colls.table()
+    # after it, the stacked weights' and the ends' gradients: the predicted bytes
+    assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
+        colls.table()
+
+
+def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
+    loss, p, tokens, labels = _lm(normalize_before_head=True)
+    value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, "1f1b")
+
+    def reference(p, tokens, labels):  # the statistic is over a micro-batch's rows
+        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
+
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(reference))(p, tokens, labels)
+    _close(value, grad, ref_value, ref_grad)
+    red = pipe.gradient_reduction
+    # the head reads the normalized rows: its gradient contracts over every row of the
+    # micro-batch, so it stays per micro-batch; the prologue still runs per group
+    assert program.ends.prologue and not program.ends.epilogue
+    assert "epilogue: per micro-batch: the loss reads its weights after mixing rows" in \
+        red.ends_why, red.ends_why
+    assert red.ends_bytes == (V * D + 4 * D + D) * 4  # the embedding's, position's, gate's
+    inside, after = _in_loop(colls)
+    head = [r for r in inside if any(sh in (f"f32[{D},{V}]", f"f32[{V},{D}]") for sh in r.shapes)]
+    assert head and all(r.kind == "all-reduce" and r.count > 0 for r in head), colls.table()
+    assert sum(r.count for r in head) > 1  # once per micro-batch (the 1-tick phase included)
+    assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
+        colls.table()
+
+
+def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
+    def loss(p, tokens, labels):
+        x = p["emb"][tokens]
+        x = x - jnp.mean(x, axis=0)  # a batch statistic the layers read
+        for i in range(4):
+            x = x + jnp.tanh(x @ p["w"][i])
+        logp = jax.nn.log_softmax(x @ p["head"])
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    _, p, tokens, labels = _lm()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss)),
+                                  micro_batches=4, batch_argnums=(1, 2))
+        pipe = step.plan(p, tokens, labels).pipeline
+    red = pipe.gradient_reduction
+    assert red.once  # the layers and the epilogue still run per group
+    assert "prologue: per micro-batch: reduce_sum reduces over the rows" in red.ends_why, red
+    assert "epilogue: runs per group up to the loss's reduction" in pipe.explain()
+    assert red.ends_bytes == D * V * 4  # the head's only

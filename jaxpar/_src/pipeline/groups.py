@@ -21,8 +21,8 @@ it from the layer's operators, following the row dimension through each (element
 transpose, broadcast, dot_general on a free or batch dimension, reductions over other
 dimensions, ...).  Anything else (a batch-mean normalization, a reduction or contraction over the
 rows, an operator it does not know, a loop over the rows) keeps the per-micro-batch reduction,
-and ``plan.pipeline.explain()`` says why.  The prologue and epilogue (embedding, loss) are not
-grouped: their weight gradients are still reduced per micro-batch.
+and ``plan.pipeline.explain()`` says why.  Where the layers are grouped, the prologue's backward
+and the epilogue (embedding, head, loss) run per group too when ``ends.py`` proves it.
 """
 
 from __future__ import annotations
@@ -359,6 +359,8 @@ def _through(node: Any, ins: list[RowDim | None], graph: OpGraph, rows: int, sma
         return [s]
     if name == "dot_general":
         return _dot(p, ins, shapes)
+    if name == "gather":
+        return _gather(p, ins, shapes, out_shape)
     return f"{name} is not known to keep rows apart"
 
 
@@ -371,6 +373,48 @@ def _broadcast_rows(node: Any, graph: OpGraph, small: OpGraph, rows: int) -> Row
     if len(diff) == 1 and big[diff[0]] % rows == 0:
         return (diff[0], big[diff[0]] // rows)
     return None
+
+
+def _gather(p: dict, ins: list[RowDim | None], shapes: list, out_shape: Sequence[int]
+            ) -> list[RowDim | None] | str:
+    """A gather keeps rows apart when it indexes with the rows as a batch dimension of its
+    indices (an embedding lookup: each row reads the table for its own tokens), reads the
+    operand's rows whole (the offset dimension, every row kept), or pairs the operand's rows
+    with the indices' as batching dimensions (a row picks its own label's logit).
+
+    >>> from jax.lax import GatherDimensionNumbers as D
+    >>> lookup = {"dimension_numbers": D(offset_dims=(2,), collapsed_slice_dims=(0,),
+    ...     start_index_map=(0,), operand_batching_dims=(), start_indices_batching_dims=()),
+    ...     "slice_sizes": (1, 64)}
+    >>> _gather(lookup, [None, (0, 1)], [(50, 64), (4, 16, 1)], (4, 16, 64))
+    [(0, 1)]
+    >>> _gather(lookup, [None, (2, 1)], [(50, 64), (4, 16, 1)], (4, 16, 64))
+    'gather indexes with the rows'
+    """
+    dn = p["dimension_numbers"]
+    offset, collapsed = tuple(dn.offset_dims), tuple(dn.collapsed_slice_dims)
+    index_map, op_batch = tuple(dn.start_index_map), tuple(dn.operand_batching_dims)
+    idx_batch = tuple(dn.start_indices_batching_dims)
+    batch_out = [e for e in range(len(out_shape)) if e not in offset]  # the indices' dims
+    op, idx = ins[0], ins[1]
+    if idx is not None:
+        d, minor = idx
+        if d == len(shapes[1]) - 1:  # the index vector dimension
+            return "gather indexes with the rows"
+        if op is not None:
+            if d not in idx_batch or op != (op_batch[idx_batch.index(d)], minor):
+                return "gather pairs the rows with another dimension"
+        elif d in idx_batch:
+            return "gather pairs the rows with another dimension"
+        e = batch_out[d]
+        return [(e, minor)] if out_shape[e] == shapes[1][d] else "gather cuts the rows"
+    assert op is not None
+    d, minor = op
+    if d in collapsed or d in index_map or d in op_batch or \
+            p["slice_sizes"][d] != shapes[0][d]:
+        return "gather cuts the rows"
+    kept = [i for i in range(len(shapes[0])) if i not in collapsed and i not in op_batch]
+    return [(offset[kept.index(d)], minor)]
 
 
 def _dot(p: dict, ins: list[RowDim | None], shapes: list) -> list[RowDim | None] | str:

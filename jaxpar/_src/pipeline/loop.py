@@ -26,7 +26,11 @@ Where ``groups.py`` proves the layers keep the rows of a micro-batch apart, a ch
 and backward run under ``jax.vmap`` over the data-parallel row groups with the weights broadcast
 per group, and a stage accumulates per-group weight gradients ``[v, G, k, ...]``: summed over
 the groups (one all-reduce over the row axes) after the loop, not once per micro-batch in it.
-The prologue's and epilogue's gradients (embedding, head) are still reduced per micro-batch.
+Where ``ends.py`` proves it, the prologue's backward and the epilogue's head run per group too
+(the loss's reduction over the rows on the whole micro-batch), and the unstacked weights they
+and the layers read (embedding, head, final norm, a weight every layer shares) accumulate
+``[G, ...]`` gradients, summed after the loop as well; elsewhere they are reduced per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar._src.pipeline.config import AXIS
+from jaxpar._src.pipeline.ends import EndGroups
 from jaxpar._src.pipeline.groups import RowGroups, strip
 from jaxpar._src.pipeline.pieces import Pieces, is_float
 from jaxpar._src.pipeline.slots import SlotTables
@@ -81,6 +86,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                for j in program.stacked]
     carried_specs = [program.spec(v) for v in program.carried_in]
     groups = program.groups if backward and program.groups.on else None
+    ends = program.ends if groups is not None and program.ends.on else None
     if groups is not None:  # the gradient accumulators: [v, G, k, ...], G on the row axes
         stretched = {i for kind, i, _, _ in groups.cuts if kind == "w"}  # per row: no G
         w_local = [sp if j in stretched else
@@ -100,7 +106,8 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
 
         res = _Residuals()
         ctx = _Tick(pieces, program, weights, active, rest, batch, s, res, scale,
-                    recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs, groups)
+                    recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs, groups,
+                    ends)
         if backward:
             _probe(ctx, carried0)
         carry: dict[str, Any] = {
@@ -114,7 +121,8 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 "in_ct": [_filled(a, fill) for a in carried0],
                 "res": buf(res.stored, tables.res_slots, res.specs),
                 "g_w": [ctx.grad_zeros(j, w) for j, w in enumerate(weights)],
-                "g_rest": [jnp.zeros_like(r) for r in rest],
+                "g_rest": ctx.rest_zeros(),
+                "g_rest_g": ctx.rest_group_zeros(),
                 "g_batch": [jnp.zeros_like(b) for b in batch],
             }
         for start, stop, has_f, has_b in tables.phases():
@@ -128,7 +136,8 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
         loss = jax.lax.psum(carry["loss"], AXIS)
         if not backward:
             return loss
-        g_rest = [jax.lax.psum(g, AXIS) for g in carry["g_rest"]]
+        g_rest = [jax.lax.psum(g, AXIS) for g in ctx.rest_sums(carry["g_rest"],
+                                                               carry["g_rest_g"])]
         g_batch = [jax.lax.psum(g, AXIS) for g in carry["g_batch"]]
         g_w = [g[None] for g in ctx.grad_sums(carry["g_w"])]
         return loss, g_w, g_rest, g_batch
@@ -170,6 +179,7 @@ class _Tick:
     w_local: list
     carried_specs: list
     groups: RowGroups | None = None  # run the chunks per row group (groups.py)
+    ends: EndGroups | None = None  # the prologue's backward, the epilogue per group (ends.py)
 
     def __post_init__(self) -> None:
         if self.groups is not None:
@@ -180,6 +190,11 @@ class _Tick:
             # group reads its own rows of them, so their gradients need no sum over groups
             self.w_cuts = {i: dim + 1 for kind, i, dim, _ in self.groups.cuts if kind == "w"}
             self.r_cuts = [(i, dim) for kind, i, dim, _ in self.groups.cuts if kind == "r"]
+        grouped = self.ends.grouped if self.ends is not None else ()
+        # the accumulators of the rest's gradients a group sums on its own: [G, ...]
+        self.rest_g_specs = [] if self.groups is None else [
+            Spec((self.groups.axes,) + strip(self.program.spec(self.program.rest[i]),
+                                              self.groups.axes).dims) for i in grouped]
 
     def tick(self, c: dict, row: dict, has_f: bool, has_b: bool) -> dict:
         c = dict(c)
@@ -237,11 +252,12 @@ class _Tick:
         if not backward:
             c["loss"] = c["loss"] + ends * self.scale
             return c
-        loss_m, ct_y, g_rest, ct_b = ends
+        loss_m, ct_y, g_rest, g_rest_g, ct_b = ends
         c["loss"] = c["loss"] + loss_m * self.scale
         c["res"] = [_put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
         c["ct"] = [_put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
-        c["g_rest"] = _add(c["g_rest"], g_rest)
+        c["g_rest"] = self._add_rest(c["g_rest"], g_rest)
+        c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rest_g)
         c["g_batch"] = [_add_at(g, row["f_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
         return c
@@ -255,6 +271,7 @@ class _Tick:
         (``jax.vmap`` over the groups) when grouped, its arguments from :meth:`_inputs`."""
         if self.groups is not None:
             gp, axes, r_cuts = self.gpieces, self.groups.axes, self.r_cuts
+            n_w = len(self.weights)
             batch_g = self._group(batch_m, self.batch_specs)
 
             def f_groups(w: list, x: list, r: list, b: list) -> list:
@@ -265,7 +282,10 @@ class _Tick:
                     rr = list(r)
                     for (i, _), v in zip(r_cuts, own, strict=True):
                         rr[i] = v
-                    return gp.chunk(w, active, x, rr, _merge(whole, b))
+                    if len(w) > n_w:  # the group's own copies of unstacked weights
+                        for i, v in zip(self._grouped(), w[n_w:], strict=True):
+                            rr[i] = v
+                    return gp.chunk(w[:n_w], active, x, rr, _merge(whole, b))
 
                 return jax.vmap(one, spmd_axis_name=axes)(w, x, b, batch_g, own)
 
@@ -280,13 +300,16 @@ class _Tick:
     def _inputs(self, w_c: list, x: list, batch_m: list) -> tuple[list, list, list]:
         """The chunk function's weights, carried values and floating batch inputs: per row
         group when grouped (the weights broadcast to ``[G, ...]``, so that each group's weight
-        gradient comes back on its own)."""
+        gradient comes back on its own; after the stacked ones, the unstacked weights summed
+        per group, :meth:`_rest_groups`, when the layers read one)."""
         if self.groups is None:
             return list(w_c), list(x), _floats(batch_m)
         G = self.groups.size
         w_b = [self._regroup(w, self.w_cuts[j]) if j in self.w_cuts else
                _constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
                for j, (w, sp) in enumerate(zip(w_c, self._group_w_specs(), strict=True))]
+        if self.ends is not None and self.ends.layers:
+            w_b += self._rest_groups()
         return (w_b, self._group(x, self.carried_specs),
                 _floats(self._group(batch_m, self.batch_specs)))
 
@@ -375,6 +398,8 @@ class _Tick:
         return self._carried(y), stored
 
     def _epilogue_vjp(self, y: list, batch_m: list) -> tuple:
+        if self.ends is not None and self.ends.epilogue:
+            return self._epilogue_vjp_groups(y, batch_m)
         pieces = self.pieces
 
         def f(r: list, x: list, b: list) -> Any:
@@ -384,12 +409,101 @@ class _Tick:
         loss, pull = jax.vjp(f, _floats(self.rest), list(y), _floats(batch_m))
         g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
         return (loss, self._carried(_dense(ct_y, y)), _dense(g_r, self.rest),
-                _dense(ct_b, batch_m))
+                self.rest_group_zeros(), _dense(ct_b, batch_m))
+
+    def _epilogue_vjp_groups(self, y: list, batch_m: list) -> tuple:
+        """The epilogue's backward with its head per row group (``ends.py``): the weights the
+        head reads broadcast to ``[G, ...]``, so each group's gradient comes back on its own;
+        the tail (the loss's reduction over the rows) on the whole micro-batch."""
+        assert self.ends is not None and self.groups is not None
+        e, gp, pieces, axes = self.ends, self.gpieces, self.pieces, self.groups.axes
+        bound = [v for v, _ in e.bound]
+        cuts = list(e.epi_cuts)
+
+        def f(r: list, rg: list, x: list, b: list) -> Any:
+            rr, whole = _merge(self.rest, r), _merge(batch_m, b)
+            own = [self._regroup(rr[i], dim) for i, dim in cuts]
+
+            def one(rg: list, x: list, b: list, own: list) -> list:
+                return gp.epilogue_part(self._rest_of(rr, rg, cuts, own), x, b, e.head, bound)
+
+            parts = jax.vmap(one, spmd_axis_name=axes)(
+                rg, self._group(x, self.carried_specs), self._group(whole, self.batch_specs),
+                own)
+            parts = [self._unregroup(v, dim) for v, (_, dim) in zip(parts, e.bound,
+                                                                     strict=True)]
+            out = pieces.epilogue_part(rr, x, whole, e.tail, [self.program.out_operand],
+                                       bound=bound, values=parts)[0]
+            return out.astype(jnp.float32)
+
+        rg = self._rest_groups()
+        loss, pull = jax.vjp(f, _floats(self.rest), rg, list(y), _floats(batch_m))
+        g_r, g_rg, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
+        return (loss, self._carried(_dense(ct_y, y)), _dense(g_r, self.rest),
+                _dense(g_rg, rg), _dense(ct_b, batch_m))
 
     def _no_epilogue(self, y: list) -> tuple:
         ct_y = self._carried([_filled(v, self.fill) for v in y])
         return (jnp.zeros((), jnp.float32), ct_y, [jnp.zeros_like(r) for r in self.rest],
-                [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+                self.rest_group_zeros(), [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+
+    # -- the rest's gradients per row group (ends.py) ----------------------------------------
+    def _grouped(self) -> tuple[int, ...]:
+        return self.ends.grouped if self.ends is not None else ()
+
+    def rest_group_zeros(self) -> list:
+        """The accumulators ``[G, ...]`` of the rest's gradients summed per group."""
+        if self.groups is None:
+            return []
+        G = self.groups.size
+        return [_constrain(self.pieces, jnp.zeros((G,) + tuple(self.rest[i].shape),
+                                                  self.rest[i].dtype), sp)
+                for i, sp in zip(self._grouped(), self.rest_g_specs, strict=True)]
+
+    def _rest_groups(self) -> list:
+        """The grouped rest weights broadcast to ``[G, ...]`` (laid out as their accumulators:
+        the group dimension on the row axes, so each device holds its own group's copy)."""
+        assert self.groups is not None
+        G = self.groups.size
+        return [_constrain(self.pieces, jnp.broadcast_to(self.rest[i][None],
+                                                         (G,) + tuple(self.rest[i].shape)), sp)
+                for i, sp in zip(self._grouped(), self.rest_g_specs, strict=True)]
+
+    def _rest_of(self, rr: list, rg: list, cuts: list, own: list) -> list:
+        """One group's rest: its own copies of the grouped weights and slices of the values
+        stretched over the rows, the others whole."""
+        out = list(rr)
+        for i, v in zip(self._grouped(), rg, strict=True):
+            out[i] = v
+        for (i, _), v in zip(cuts, own, strict=True):
+            out[i] = v
+        return out
+
+    def _add_groups(self, acc: list, gs: list) -> list:
+        return [_constrain(self.pieces, a + g.astype(a.dtype), sp)
+                for a, g, sp in zip(acc, gs, self.rest_g_specs, strict=True)]
+
+    def rest_zeros(self) -> list:
+        """The accumulators of the rest's per-micro-batch gradients: a scalar placeholder for
+        a weight only ever summed per group (no second copy of its gradient)."""
+        only = set(self.ends.only) if self.ends is not None else set()
+        return [jnp.zeros((), r.dtype) if i in only else jnp.zeros_like(r)
+                for i, r in enumerate(self.rest)]
+
+    def _add_rest(self, acc: list, gs: list) -> list:
+        only = set(self.ends.only) if self.ends is not None else set()
+        return [a if i in only or not is_float(a) else a + g
+                for i, (a, g) in enumerate(zip(acc, gs, strict=True))]
+
+    def rest_sums(self, g_rest: list, g_rest_g: list) -> list:
+        """The rest's gradients: the per-micro-batch sums plus the per-group ones summed over
+        the groups (the one reduction over the row axes a step makes for them)."""
+        out = list(g_rest)
+        only = set(self.ends.only) if self.ends is not None else set()
+        for i, g in zip(self._grouped(), g_rest_g, strict=True):
+            total = jnp.sum(g, axis=0)
+            out[i] = total if i in only else out[i] + total
+        return out
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, c: dict, row: dict) -> dict:
@@ -401,22 +515,27 @@ class _Tick:
         def run() -> tuple:
             ct = self._carried([_get(b, row["b_ct"]) for b in c["ct"]])
             stored = [_get(b, row["b_res"]) for b in c["res"]]
-            g_w, ct_x, g_r, ct_b = self._chunk_backward(w_c, act_c, stored, ct, batch_m)
+            g_w, ct_x, g_r, g_rg0, ct_b = self._chunk_backward(w_c, act_c, stored, ct,
+                                                                batch_m)
 
             def into_prologue() -> tuple:
+                if self.ends is not None and self.ends.prologue:
+                    return self._prologue_vjp_groups(ct_x, batch_m)
+
                 def f(r: list, b: list) -> list:
                     return pieces.prologue(_merge(self.rest, r), _merge(batch_m, b))
 
                 _, pull = jax.vjp(f, _floats(self.rest), _floats(batch_m))
                 g_r2, b2 = pull(_floats_like(ct_x))
-                return _dense(g_r2, self.rest), _dense(b2, batch_m)
+                return _dense(g_r2, self.rest), self.rest_group_zeros(), _dense(b2, batch_m)
 
             def no_prologue() -> tuple:
-                return ([jnp.zeros_like(r) for r in self.rest],
+                return ([jnp.zeros_like(r) for r in self.rest], self.rest_group_zeros(),
                         [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
 
-            g_r2, b2 = jax.lax.cond(row["b_first"] > 0, into_prologue, no_prologue)
-            return (g_w, self._carried(ct_x), _add(g_r, g_r2), _add(ct_b, b2))
+            g_r2, g_rg, b2 = jax.lax.cond(row["b_first"] > 0, into_prologue, no_prologue)
+            return (g_w, self._carried(ct_x), _add(g_r, g_r2), _add(g_rg0, g_rg),
+                    _add(ct_b, b2))
 
         def idle() -> tuple:
             shapes = jax.eval_shape(run)
@@ -424,14 +543,36 @@ class _Tick:
             ct_x = self._carried([_filled(a, self.fill) for a in shapes[1]])
             return (zeros[0], ct_x, *zeros[2:])
 
-        g_w, ct_x, g_r, ct_b = jax.lax.cond(row["b_on"] > 0, run, idle)
+        g_w, ct_x, g_r, g_rg, ct_b = jax.lax.cond(row["b_on"] > 0, run, idle)
         c["in_ct"] = [jax.lax.ppermute(v, AXIS, self.bwd_perm) for v in ct_x]
         c["g_w"] = [_constrain(self.pieces, _add_at(g, row["b_local"], d), sp)
                     for g, d, sp in zip(c["g_w"], g_w, self.w_local, strict=True)]
-        c["g_rest"] = _add(c["g_rest"], g_r)
+        c["g_rest"] = self._add_rest(c["g_rest"], g_r)
+        c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rg)
         c["g_batch"] = [_add_at(g, row["b_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
         return c
+
+    def _prologue_vjp_groups(self, ct_x: list, batch_m: list) -> tuple:
+        """The prologue's backward per row group (``ends.py``): the embedding's gradient (a
+        scatter-add of each group's tokens) into the group's own ``[G, ...]`` accumulator."""
+        assert self.ends is not None and self.groups is not None
+        gp, cuts, axes = self.gpieces, list(self.ends.pro_cuts), self.groups.axes
+
+        def f(r: list, rg: list, b: list) -> list:
+            rr, whole = _merge(self.rest, r), _merge(batch_m, b)
+            own = [self._regroup(rr[i], dim) for i, dim in cuts]
+
+            def one(rg: list, b: list, own: list) -> list:
+                return gp.prologue(self._rest_of(rr, rg, cuts, own), b)
+
+            return self._ungroup(jax.vmap(one, spmd_axis_name=axes)(
+                rg, self._group(whole, self.batch_specs), own))
+
+        rg = self._rest_groups()
+        _, pull = jax.vjp(f, _floats(self.rest), rg, _floats(batch_m))
+        g_r, g_rg, b2 = pull(_floats_like(ct_x))
+        return _dense(g_r, self.rest), _dense(g_rg, rg), _dense(b2, batch_m)
 
     def _chunk_backward(self, w_c: list, act_c: Any, stored: list, ct: list, batch_m: list
                         ) -> tuple:
@@ -447,10 +588,13 @@ class _Tick:
         b_all = self._group(batch_m, self.batch_specs) if grouped else batch_m
         g_w, ct_x, g_r, ct_b = pull(_floats_like(ct_in))
         g_w = _dense(g_w, w_in)
+        n_w = len(w_c)
+        g_rg = g_w[n_w:] if len(g_w) > n_w else self.rest_group_zeros()
+        g_w = g_w[:n_w]
         if grouped:
             g_w = [self._unregroup(g, self.w_cuts[j]) if j in self.w_cuts else g
                    for j, g in enumerate(g_w)]
-        return (g_w, self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest),
+        return (g_w, self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest), g_rg,
                 self._ungroup(_dense(ct_b, b_all)))
 
     def _pullback(self, f: Callable, w_c: list, stored: list, b_floats: list) -> Any:

@@ -117,6 +117,23 @@ class Pieces:
             return jnp.asarray(out.value)
         return env[out]
 
+    def epilogue_part(self, rest: Sequence[Any], carried: Sequence[Any], batch: Sequence[Any],
+                      nodes: Sequence[int], outs: Sequence[int], *,
+                      bound: Sequence[int] = (), values: Sequence[Any] = ()) -> list[Any]:
+        """Part of the epilogue (``ends.py``: the head a row group runs, or the tail on the
+        whole micro-batch from the head's ``bound`` values): the values ``outs``."""
+        p = self.p
+        last = p.layers.layers[-1]
+        n_act = len(last.act_out)
+        env: dict = {}
+        self._seed(env, p.rest, rest)
+        self._seed(env, last.act_out, carried[:n_act])
+        self._seed(env, p.carried_shared, carried[n_act:])
+        self._seed(env, p.batch, batch)
+        self._seed(env, bound, values)
+        self._run(nodes, env)
+        return [jnp.asarray(v.value) if isinstance(v, Const) else env[v] for v in outs]
+
     def chunk(self, weights: Sequence[Any], active: Any, carried: Sequence[Any],
               rest: Sequence[Any], batch: Sequence[Any]) -> list[Any]:
         """``k`` layer slots in a row (a scan over the chunk's stacked weights); an inactive

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
@@ -28,6 +29,7 @@ from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.ends import EndGroups, end_groups
 from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
 from jaxpar._src.pipeline.schedule import PipelineSchedule
@@ -78,6 +80,8 @@ class PipelineProgram:
     # ZeRO: (stacked position, dimension of [S, v, k, ...], axes) of the gradients summed over
     # the row groups by reduce-scatter, split as their optimizer state (groups.scatters)
     scatters: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
+    # the prologue's backward and the epilogue per row group too (ends.py), or why not
+    ends: EndGroups = EndGroups()
 
     @property
     def rep_layer(self) -> Layer:
@@ -196,6 +200,15 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         + parts["carried_shared"], batch=batch, rest=parts["rest"],
         stacked=tuple(rep_layer.weights[j] for j in layers.stacked), rows=rows,
         retrace=lambda r: _retrace(fn, args, batch_argnums, rows * M // r, where))
+    ends = end_groups(
+        graph=graph, small=groups.graph, rows=rows, size=groups.size,
+        pro_nodes=parts["pro_nodes"], epi_nodes=parts["epi_nodes"], pro_seeds=batch,
+        pro_outs=tuple(layers.layers[0].act_in) + parts["carried_shared"],
+        epi_seeds=tuple(layers.layers[-1].act_out) + parts["carried_shared"] + batch,
+        rest=parts["rest"], out=out_operand,
+        floats=[bool(jnp.issubdtype(graph.values[v].dtype, jnp.inexact))
+                for v in parts["rest"]],
+        layer_reads=_layer_reads(graph, rep_layer, parts["rest"], groups))
     slot_layer = np.full((S, config.repeats, split.slots), -1, np.int32)
     for c in range(C):
         start = split.first_layer(c)
@@ -211,7 +224,19 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
-        costs["act_bytes"], groups, scatters)
+        costs["act_bytes"], groups, scatters, ends)
+
+
+def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
+                 ) -> tuple[int, ...]:
+    """The rest indices the layers read whole (a weight they share), where they run per row
+    group: each group's gradient of it is its own (``ends.py``)."""
+    if not groups.on:
+        return ()
+    cut = {i for kind, i, _, _ in groups.cuts if kind == "r"}
+    read = {o for top in layer.nodes for nid in members(graph, top)
+            for o in graph.nodes[nid].inputs if not isinstance(o, Const)}
+    return tuple(i for i, v in enumerate(rest) if v in read and i not in cut)
 
 
 def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, where: str

@@ -41,8 +41,9 @@ class PipelinePlan:
       layers, period, marked, prologue_ops, epilogue_ops, stacked_weights: what was found.
       crossing_bytes: bytes of one micro-batch's activation per device (one ``ppermute``).
       micro_rows: rows per micro-batch.
-      gradient_reduction: how the stacked weights' gradients are reduced over the
-        data-parallel axes (:class:`GradientReduction`; ``None`` if the rows are not split).
+      gradient_reduction: how the stacked weights' gradients, and the prologue's, epilogue's
+        and shared unstacked weights', are reduced over the data-parallel axes
+        (:class:`GradientReduction`; ``None`` if the rows are not split).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> def loss(w, x):
@@ -159,6 +160,10 @@ class GradientReduction:
       why: grouped, or why not.
       scattered_bytes: of ``run_bytes``, what is reduce-scattered, not all-reduced (the
         parallel optimizer on: split as the weights' optimizer state, ``program.scatters``).
+      ends_bytes: per device, the gradients of the weights the prologue and epilogue read
+        (embedding, head, final norm) that a step all-reduces once after the loop, summed per
+        row group in it (``ends.py``); ``0`` where they are reduced per micro-batch.
+      ends_why: how the prologue's and the epilogue's gradients are reduced, and why.
     """
 
     axes: tuple[str, ...]
@@ -167,12 +172,20 @@ class GradientReduction:
     run_bytes: float
     why: str
     scattered_bytes: float = 0.0
+    ends_bytes: float = 0.0
+    ends_why: str = ""
 
     @property
     def collectives(self) -> tuple[str, ...]:
-        """The collective kinds the reduction runs as in the compiled step."""
+        """The collective kinds the stacked weights' reduction runs as in the compiled step."""
         kinds = ("reduce-scatter",) if self.scattered_bytes else ()
         return kinds + (("all-reduce",) if self.run_bytes > self.scattered_bytes else ())
+
+    @property
+    def after_loop_bytes(self) -> float:
+        """Per device, what a step all-reduces over ``axes`` after the loop: the stacked
+        weights' gradients not reduce-scattered (when ``once``) and ``ends_bytes``."""
+        return (self.run_bytes - self.scattered_bytes if self.once else 0.0) + self.ends_bytes
 
     @property
     def step_bytes(self) -> float:
@@ -203,12 +216,13 @@ class GradientReduction:
             layer += nbytes
             scattered += nbytes if j in split else 0.0
         k, repeats = program.split.slots, program.config.repeats
+        ends_bytes, ends_why = _ends(program, mesh)
         if groups.on:
             return cls(groups.axes, True, 1, repeats * k * layer, groups.why,
-                       repeats * k * scattered)
+                       repeats * k * scattered, ends_bytes, ends_why)
         ticks = sum(stop - start for start, stop, _, has_b in
                     SlotTables.of(program.schedule).phases() if has_b)
-        return cls(groups.axes, False, ticks * k, layer, groups.why)
+        return cls(groups.axes, False, ticks * k, layer, groups.why, 0.0, ends_bytes, ends_why)
 
     def explain(self) -> str:
         axes = "+".join(self.axes)
@@ -220,7 +234,35 @@ class GradientReduction:
         how = (f"1 {once} over {axes} per device after the loop" if self.once else
                f"all-reduces over {axes} inside the loop, {self.runs} runs of "
                f"{_bytes(self.run_bytes)} per device ({_bytes(self.step_bytes)} a step)")
-        return f"stage weight gradients: {how}; {self.why}"
+        line = f"stage weight gradients: {how}; {self.why}"
+        if self.ends_why:
+            line += f"\n  {self.ends_why}"
+        return line
+
+
+def _ends(program: Any, mesh: Any) -> tuple[float, str]:
+    """The prologue's and epilogue's part of :class:`GradientReduction`: bytes summed per row
+    group and all-reduced once after the loop, and one line saying how and why."""
+    from jaxpar._src.pipeline.groups import strip
+
+    ends, axes = program.ends, program.groups.axes
+    total = 0.0
+    for i in ends.grouped:
+        v = program.graph.values[program.rest[i]]
+        if not _from_inputs(program.graph, v.id):
+            continue  # a constant's gradient is dead: XLA drops it
+        spec = strip(program.spec(v.id), axes)
+        total += math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
+            math.prod(v.shape), 1)
+    if ends.on:
+        how = (f"1 all-reduce of {_bytes(total)} over {'+'.join(axes)} per device after the "
+               f"loop for those summed per group")
+    elif ends.prologue and ends.epilogue:
+        how = "none summed per group (no weight read there)"
+    else:
+        how = "inside the loop, per micro-batch"
+    return total, (f"prologue/epilogue weight gradients: {how}; prologue: {ends.why_prologue}; "
+                   f"epilogue: {ends.why_epilogue}")
 
 
 def _from_inputs(graph: Any, vid: int) -> bool:

@@ -1,0 +1,264 @@
+"""The prologue and epilogue per row group: their weight gradients reduced once per step.
+
+Where the layers run per data-parallel row group (``groups.py``), the prologue (the embedding:
+a gather of each row's tokens, the position embedding) and the epilogue (final norm, head,
+loss) can too, so that the embedding's, the head's and the final norm's gradients are summed
+over the groups once after the loop instead of all-reduced once per micro-batch inside it:
+
+* the prologue's backward runs under ``jax.vmap`` over the groups (the loss traced at
+  ``rows / G`` rows), the weights it reads broadcast to ``[G, ...]``; exact if no operator of
+  it mixes rows of two groups (the same proof as the layers', :func:`groups._through`, which
+  knows the embedding's ``gather``);
+* the epilogue ends in the loss, which mixes every row (a mean over the rows and tokens).  It
+  splits in two: the *head*, every operator before the first that mixes rows, runs per group
+  (its weights broadcast to ``[G, ...]``); the *tail*, the operators that read a mixed value
+  (the loss's sum over the rows and its division by the count), runs on the whole
+  micro-batch, from the head's values put back together (``[G, rows / G, ...] -> [rows,
+  ...]``: no data moves).  The tail is the loss traced at the full ``rows``, so a mean divides
+  by the full count, not by ``rows / G``, and whatever the tail does with the rows (a batch
+  statistic) sees them all: exact by construction.  Its cotangent flows into each group's
+  head, whose weight gradient is that group's own.
+
+The tail differentiates the weights it reads on the whole micro-batch, as before: a
+weight-decay term added to the loss is exact and needs no reduction over the rows.  When only
+the tail reads weights (a head after a batch normalization: their gradients contract over the
+mixed rows) nothing is gained and the epilogue stays per micro-batch; ``plan.pipeline
+.explain()`` says why, as it does for a prologue that mixes rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.pipeline.groups import RowDim, _row_broadcast, _through
+from jaxpar._src.pipeline.layers import members
+
+MIXED = (-1, -1)  # the state of a value that depends on rows of two groups (the tail's)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EndGroups:
+    """How the prologue's backward and the epilogue run per row group.
+
+    Attributes:
+      prologue: the prologue's backward runs per group.
+      epilogue: the epilogue's head runs per group, its tail on the whole micro-batch.
+      head, tail: the epilogue's top-level nodes in each part, in order.
+      bound: ``(value id, row dimension)`` of the head's values the tail reads.
+      pro_cuts, epi_cuts: ``(rest index, dim)`` of the rest values stretched over the rows
+        that each group reads its own slice of (a mask broadcast over the batch).
+      grouped: rest indices whose gradients a group accumulates on its own (``[G, ...]``).
+      layers: of ``grouped``, those the layers read (a weight every layer shares): the
+        chunk's vmap takes them per group too.
+      only: of ``grouped``, those no part reads whole (a prologue or epilogue not grouped,
+        the loss's tail): the loop keeps no per-micro-batch accumulator for them.
+      why_prologue, why_epilogue: one line each for ``explain()``.
+
+    >>> EndGroups(epilogue=True, grouped=(2,)).on  # the weight at rest index 2 per group
+    True
+    >>> EndGroups(why_epilogue="per micro-batch: the layers are not grouped").on
+    False
+    """
+
+    prologue: bool = False
+    epilogue: bool = False
+    head: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
+    bound: tuple[RowDim, ...] = ()
+    pro_cuts: tuple[tuple[int, int], ...] = ()
+    epi_cuts: tuple[tuple[int, int], ...] = ()
+    grouped: tuple[int, ...] = ()
+    layers: tuple[int, ...] = ()
+    only: tuple[int, ...] = ()
+    why_prologue: str = ""
+    why_epilogue: str = ""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.grouped)
+
+
+def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
+               pro_nodes: Sequence[int], epi_nodes: Sequence[int], pro_seeds: Sequence[int],
+               pro_outs: Sequence[int], epi_seeds: Sequence[int], rest: Sequence[int], out: Any,
+               floats: Sequence[bool], layer_reads: Sequence[int] = ()) -> EndGroups:
+    """Whether the prologue and epilogue run per row group; see the module docstring.
+
+    ``small``: the loss traced at ``rows / size`` rows (``None``: the layers are not grouped,
+    nor are the ends); ``pro_seeds`` / ``epi_seeds``: the values with rows on dimension 0 each
+    part reads (the batch; the carried values and the batch), ``pro_outs`` the prologue's
+    (the carried values); ``rest``: the weights passed
+    whole, ``floats`` which have gradients; ``out``: the loss's operand; ``layer_reads``:
+    the rest indices the (grouped) layers read whole, not a slice per group.
+    """
+    per = "per micro-batch"
+    if small is None:
+        why = f"{per}: the layers are not grouped"
+        return EndGroups(why_prologue=why, why_epilogue=why)
+    where = {v: i for i, v in enumerate(rest)}
+    layers = {i for i in layer_reads if floats[i]}
+    grouped: set[int] = set(layers)
+    pro_cuts: tuple[tuple[int, int], ...] = ()
+
+    pro = _follow(graph, small, pro_nodes, {v: (0, 1) for v in pro_seeds}, rows, size,
+                  tail_ok=False)
+    if not isinstance(pro, str) and any(pro[0].get(v) != (0, 1) for v in pro_outs):
+        pro = "a value entering the layers does not carry the rows on dimension 0"
+    if isinstance(pro, str):
+        why_pro, pro_on = f"{per}: {pro}", False
+    else:
+        _, sliced, _ = pro
+        pro_cuts = tuple((where[v], e) for v, (e, _) in sliced.items())
+        read = _reads(graph, pro_nodes)
+        grouped |= {where[v] for v in read if v in where and floats[where[v]]
+                    and v not in sliced}
+        why_pro, pro_on = (f"runs per group (its {len(pro_nodes)} operators keep rows "
+                           f"apart)"), True
+
+    epi = _epilogue(graph, small, epi_nodes, epi_seeds, rows, size, where, floats, out)
+    # the weights some part reads whole: their gradients accumulate per micro-batch too
+    whole = set() if pro_on else set(_reads(graph, pro_nodes))
+    if isinstance(epi, str):
+        whole |= set(_reads(graph, epi_nodes))
+        return EndGroups(pro_on, False, pro_cuts=pro_cuts, grouped=tuple(sorted(grouped)),
+                         layers=tuple(sorted(layers)), only=_only(grouped, whole, where),
+                         why_prologue=why_pro, why_epilogue=f"{per}: {epi}")
+    head, tail, bound, sliced, late = epi
+    whole |= set(_reads(graph, tail))
+    epi_cuts = tuple((where[v], e) for v, (e, _) in sliced.items())
+    grouped |= {where[v] for v in _reads(graph, head) if v in where and floats[where[v]]
+                and v not in sliced}
+    note = (f"; {len(late)} weight(s) it reads after mixing rows per micro-batch"
+            if late else "")
+    return EndGroups(pro_on, True, head, tail, bound, pro_cuts, epi_cuts,
+                     tuple(sorted(grouped)), tuple(sorted(layers)),
+                     _only(grouped, whole, where), why_pro,
+                     f"runs per group up to the loss's reduction over the rows (its last "
+                     f"{len(tail)} operators on the whole micro-batch){note}")
+
+
+def _only(grouped: set[int], whole: set[int], where: dict[int, int]) -> tuple[int, ...]:
+    """The grouped rest indices no part reads whole (``whole``: value ids)."""
+    return tuple(sorted(grouped - {where[v] for v in whole if v in where}))
+
+
+def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],
+              rows: int, size: int, where: dict[int, int], floats: Sequence[bool], out: Any
+              ) -> str | tuple:
+    """The epilogue's head, tail, boundary and sliced values, or why it is not grouped."""
+    if isinstance(out, Const):
+        return "the loss is a constant"
+    found = _follow(graph, small, nodes, {v: (0, 1) for v in seeds}, rows, size, tail_ok=True)
+    assert not isinstance(found, str)
+    state, sliced, tail_set = found
+    if state.get(out) != MIXED:
+        return "the loss does not reduce over the rows"
+    made = {v: top for top in nodes for nid in members(graph, top)
+            for v in graph.nodes[nid].outputs}
+    # the tail recomputes the row-free head values it reads (weights' work, constants); the
+    # head keeps them too, for its own reads
+    mixed = set(tail_set)
+    while True:
+        more = {made[v] for top in tail_set for v in _reads(graph, [top])
+                if v in made and made[v] not in tail_set and state.get(v) is None}
+        if not more:
+            break
+        tail_set |= more
+    head = tuple(n for n in nodes if n not in mixed)
+    late = [(v, top) for top in sorted(tail_set) for v in _reads(graph, [top])
+            if v in where and floats[where[v]] and _reads_rows(graph, top, state)]
+    if late and not any(v in where and floats[where[v]] for v in _reads(graph, head)):
+        v, top = late[0]
+        return (f"the loss reads its weights after mixing rows ({graph.values[v].shape} in "
+                f"{graph.nodes[top].name}, {graph.nodes[top].source})")
+    tail = tuple(n for n in nodes if n in tail_set)
+    bound = sorted({v for top in tail for v in _reads(graph, [top])
+                    if v in made and made[v] not in tail_set})
+    bad = [v for v in bound if state.get(v) in (None, MIXED)]
+    assert not bad, bad  # the closure above moved the row-free ones into the tail
+    return head, tail, tuple((v, state[v][0]) for v in bound), {
+        v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)}, \
+        tuple(sorted({where[v] for v, _ in late}))
+
+
+def _reads_rows(graph: OpGraph, top: int, state: dict[int, RowDim]) -> bool:
+    """Whether a node depends on rows (reads a value with rows or mixed rows)."""
+    return any(state.get(v) is not None for v in _reads(graph, [top]))
+
+
+def _reads(graph: OpGraph, tops: Sequence[int]) -> list[int]:
+    """The values the nodes ``tops`` (and their members) read."""
+    return [o for top in tops for nid in members(graph, top)
+            for o in graph.nodes[nid].inputs if not isinstance(o, Const)]
+
+
+def _follow(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: dict[int, RowDim],
+            rows: int, groups: int, *, tail_ok: bool
+            ) -> str | tuple[dict[int, RowDim], dict[int, RowDim], set[int]]:
+    """Every value's row dimension through ``nodes`` (``groups.py``'s proof, a top-level node
+    at a time): ``(state, sliced, tail)``, or why a node mixes rows.  With ``tail_ok`` a node
+    that mixes rows, or reads a value that does, joins ``tail`` (its values :data:`MIXED`)."""
+    state: dict[int, RowDim] = dict(seeds)
+    sliced: dict[int, RowDim] = {}
+    tail: set[int] = set()
+    made = {v for top in nodes for nid in members(graph, top)
+            for v in graph.nodes[nid].outputs}
+    for top in nodes:
+        local: dict[int, RowDim] = {}
+        cut: dict[int, RowDim] = {}
+        why = None
+        for nid in members(graph, top):
+            why = _step(graph, small, nid, state | local, made, sliced | cut, local, cut,
+                        rows, groups)
+            if why is not None:
+                break
+        if why is None:
+            state |= local
+            sliced |= cut
+        elif tail_ok:
+            tail.add(top)
+            state |= {v: MIXED for nid in members(graph, top) for v in graph.nodes[nid].outputs}
+        else:
+            return why
+    return state, sliced, tail
+
+
+def _step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim], made: set[int],
+          sliced: dict[int, RowDim], local: dict[int, RowDim], cut: dict[int, RowDim],
+          rows: int, groups: int) -> str | None:
+    """One operator of :func:`_follow`: its results' row dimensions into ``local``, the
+    outside values it reads a group's slice of into ``cut``, or why it mixes rows."""
+    node = graph.nodes[nid]
+    for o in node.inputs:
+        if isinstance(o, Const):
+            continue
+        if state.get(o) == MIXED:
+            return f"{node.name} reads mixed rows"
+        if o not in made and o not in state and o not in sliced and \
+                small.values[o].shape != graph.values[o].shape:
+            c = _row_broadcast(graph, small, o)
+            if c is None:
+                return f"{node.name} ({node.source}) reads a value shaped by the row count"
+            cut[o] = c
+    ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
+    if node.kind is NodeKind.OP:
+        outs = _through(node, ins, graph, rows, small)
+    elif any(s is not None for s in ins):
+        return f"rows enter a {node.name} region ({node.source})"
+    else:
+        outs = [None] * len(node.outputs)
+    if isinstance(outs, str):
+        return f"{outs} ({node.source})"
+    for vid, s in zip(node.outputs, outs, strict=True):
+        want = list(graph.values[vid].shape)
+        if s is not None:
+            if want[s[0]] % groups:
+                return f"{node.name} makes a row dimension of {want[s[0]]}"
+            want[s[0]] //= groups
+            local[vid] = s
+        if tuple(small.values[vid].shape) != tuple(want):
+            return f"{node.name} ({node.source}) is shaped by the row count without carrying rows"
+    return None
