@@ -10,7 +10,10 @@ The pieces, in the order a pipelined loss goes through them::
     slots.py     buffer slots for activations, cotangents and residuals between ticks
     pieces.py    one chunk of layers, the prologue and the epilogue, replayed from the graph
     groups.py    the chunks per data-parallel row group: weight gradients reduced once a step
+    ends.py      the prologue and epilogue per row group: their gradients reduced once a step
     loop.py      the tick loop inside shard_map: forward, backward (jax.vjp), ppermute
+    residuals.py which leaves of a chunk's pullback the loop stores, recomputes or takes live
+    arrays.py    the loop's slot buffers and gradient helpers
     program.py   everything above for one signature: the PipelineProgram
     tracing.py   what a parallelize call tells the PipelineCells it traces
     cell.py      PipelineCell: the custom_vjp loss a train step differentiates

@@ -41,29 +41,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxpar._src.pipeline import arrays as ar
 from jaxpar._src.pipeline.config import AXIS
 from jaxpar._src.pipeline.ends import EndGroups
 from jaxpar._src.pipeline.groups import RowGroups, strip
 from jaxpar._src.pipeline.pieces import Pieces, is_float
+from jaxpar._src.pipeline.residuals import Residuals, probe
 from jaxpar._src.pipeline.slots import SlotTables
 from jaxpar._src.spec import Spec
 
 LOOP_NAME = "jaxpar_pipeline_loop"  # the shard_map body's name: how outer.py knows it
 LOOP_SCOPE = "jaxpar_pipeline_"  # the name scope around a pipeline's loop, + its program id
-
-
-@dataclasses.dataclass
-class _Residuals:
-    """Which leaves of a chunk's pullback to keep, found by tracing it once."""
-
-    treedef: Any = None
-    x_avals: list[Any] = dataclasses.field(default_factory=list)
-    kinds: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    stored: list[Any] = dataclasses.field(default_factory=list)  # avals of stored leaves
-    specs: list[Spec | None] = dataclasses.field(default_factory=list)
 
 
 def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
@@ -101,24 +91,24 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
         carried0 = jax.eval_shape(lambda: pieces.prologue(rest, [b[0] for b in batch]))
 
         def buf(shapes: Sequence[Any], slots: int, specs: Sequence[Spec | None]) -> list:
-            return [_constrain(pieces, _filled(a, fill, (slots + 1,)), sp, lead=1)
+            return [ar.constrain(pieces, ar.filled(a, fill, (slots + 1,)), sp, lead=1)
                     for a, sp in zip(shapes, specs, strict=True)]
 
-        res = _Residuals()
+        res = Residuals()
         ctx = _Tick(pieces, program, weights, active, rest, batch, s, res, scale,
                     recompute, fill, fwd_perm, bwd_perm, w_local, carried_specs, groups,
                     ends)
         if backward:
-            _probe(ctx, carried0)
+            probe(ctx, carried0)
         carry: dict[str, Any] = {
             "act": buf(carried0, tables.act_slots, carried_specs),
-            "in_act": [_filled(a, fill) for a in carried0],
+            "in_act": [ar.filled(a, fill) for a in carried0],
             "loss": jnp.zeros((), jnp.float32),
         }
         if backward:
             carry |= {
                 "ct": buf(carried0, tables.ct_slots, carried_specs),
-                "in_ct": [_filled(a, fill) for a in carried0],
+                "in_ct": [ar.filled(a, fill) for a in carried0],
                 "res": buf(res.stored, tables.res_slots, res.specs),
                 "g_w": [ctx.grad_zeros(j, w) for j, w in enumerate(weights)],
                 "g_rest": ctx.rest_zeros(),
@@ -170,7 +160,7 @@ class _Tick:
     rest: list
     batch: list
     stage: Any
-    res: _Residuals
+    res: Residuals
     scale: float
     recompute: bool
     fill: float
@@ -198,10 +188,10 @@ class _Tick:
 
     def tick(self, c: dict, row: dict, has_f: bool, has_b: bool) -> dict:
         c = dict(c)
-        c["act"] = [_put(b, row["recv_act"], x) for b, x in zip(c["act"], c["in_act"],
+        c["act"] = [ar.put(b, row["recv_act"], x) for b, x in zip(c["act"], c["in_act"],
                                                                  strict=True)]
         if has_b:
-            c["ct"] = [_put(b, row["recv_ct"], x) for b, x in zip(c["ct"], c["in_ct"],
+            c["ct"] = [ar.put(b, row["recv_ct"], x) for b, x in zip(c["ct"], c["in_ct"],
                                                                    strict=True)]
         if has_f:
             c = self.forward(c, row)
@@ -213,15 +203,15 @@ class _Tick:
     def forward(self, c: dict, row: dict) -> dict:
         pieces = self.pieces
         backward = "ct" in c
-        batch_m = [_get(b, row["f_micro"]) for b in self.batch]
-        w_c = [_get(w, row["f_local"]) for w in self.weights]
-        act_c = _get(self.active, row["f_local"])
+        batch_m = [ar.get(b, row["f_micro"]) for b in self.batch]
+        w_c = [ar.get(w, row["f_local"]) for w in self.weights]
+        act_c = ar.get(self.active, row["f_local"])
 
         def run() -> tuple:
             x = jax.lax.cond(
                 row["f_first"] > 0,
                 lambda: self._carried(pieces.prologue(self.rest, batch_m)),
-                lambda: self._carried([_get(b, row["f_in"]) for b in c["act"]]))
+                lambda: self._carried([ar.get(b, row["f_in"]) for b in c["act"]]))
             if backward:
                 y, stored = self._chunk_forward(w_c, act_c, x, batch_m)
             else:
@@ -239,11 +229,11 @@ class _Tick:
 
         def idle() -> tuple:
             shapes = jax.eval_shape(run)
-            y = self._carried([_filled(a, self.fill) for a in shapes[0]])
-            stored = [_filled(a, self.fill) for a in shapes[1]]
+            y = self._carried([ar.filled(a, self.fill) for a in shapes[0]])
+            stored = [ar.filled(a, self.fill) for a in shapes[1]]
             ends = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[2])
             if backward:
-                ends = (ends[0], self._carried([_filled(a, self.fill) for a in shapes[2][1]]),
+                ends = (ends[0], self._carried([ar.filled(a, self.fill) for a in shapes[2][1]]),
                         *ends[2:])
             return y, stored, ends
 
@@ -254,28 +244,28 @@ class _Tick:
             return c
         loss_m, ct_y, g_rest, g_rest_g, ct_b = ends
         c["loss"] = c["loss"] + loss_m * self.scale
-        c["res"] = [_put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
-        c["ct"] = [_put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
+        c["res"] = [ar.put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
+        c["ct"] = [ar.put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
         c["g_rest"] = self._add_rest(c["g_rest"], g_rest)
         c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rest_g)
-        c["g_batch"] = [_add_at(g, row["f_micro"], d) for g, d in zip(c["g_batch"], ct_b,
+        c["g_batch"] = [ar.add_at(g, row["f_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
         return c
 
     def _carried(self, xs: Sequence[Any]) -> list:
-        return [_constrain(self.pieces, x, sp) for x, sp in zip(xs, self.carried_specs,
+        return [ar.constrain(self.pieces, x, sp) for x, sp in zip(xs, self.carried_specs,
                                                                 strict=True)]
 
-    def _chunk_fn(self, active: Any, batch_m: list) -> Callable:
+    def chunk_fn(self, active: Any, batch_m: list) -> Callable:
         """The chunk as a function of what is differentiated: ``f(w, x, r, b)``; per row group
-        (``jax.vmap`` over the groups) when grouped, its arguments from :meth:`_inputs`."""
+        (``jax.vmap`` over the groups) when grouped, its arguments from :meth:`inputs`."""
         if self.groups is not None:
             gp, axes, r_cuts = self.gpieces, self.groups.axes, self.r_cuts
             n_w = len(self.weights)
             batch_g = self._group(batch_m, self.batch_specs)
 
             def f_groups(w: list, x: list, r: list, b: list) -> list:
-                r = _merge(self.rest, r)
+                r = ar.merge(self.rest, r)
                 own = [self._regroup(r[i], dim) for i, dim in r_cuts]
 
                 def one(w: list, x: list, b: list, whole: list, own: list) -> list:
@@ -285,7 +275,7 @@ class _Tick:
                     if len(w) > n_w:  # the group's own copies of unstacked weights
                         for i, v in zip(self._grouped(), w[n_w:], strict=True):
                             rr[i] = v
-                    return gp.chunk(w[:n_w], active, x, rr, _merge(whole, b))
+                    return gp.chunk(w[:n_w], active, x, rr, ar.merge(whole, b))
 
                 return jax.vmap(one, spmd_axis_name=axes)(w, x, b, batch_g, own)
 
@@ -293,25 +283,25 @@ class _Tick:
         pieces = self.pieces
 
         def f(w: list, x: list, r: list, b: list) -> list:
-            return pieces.chunk(w, active, x, r, _merge(batch_m, b))
+            return pieces.chunk(w, active, x, r, ar.merge(batch_m, b))
 
         return f
 
-    def _inputs(self, w_c: list, x: list, batch_m: list) -> tuple[list, list, list]:
+    def inputs(self, w_c: list, x: list, batch_m: list) -> tuple[list, list, list]:
         """The chunk function's weights, carried values and floating batch inputs: per row
         group when grouped (the weights broadcast to ``[G, ...]``, so that each group's weight
         gradient comes back on its own; after the stacked ones, the unstacked weights summed
         per group, :meth:`_rest_groups`, when the layers read one)."""
         if self.groups is None:
-            return list(w_c), list(x), _floats(batch_m)
+            return list(w_c), list(x), ar.floats(batch_m)
         G = self.groups.size
         w_b = [self._regroup(w, self.w_cuts[j]) if j in self.w_cuts else
-               _constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
+               ar.constrain(self.pieces, jnp.broadcast_to(w[None], (G,) + w.shape), sp)
                for j, (w, sp) in enumerate(zip(w_c, self._group_w_specs(), strict=True))]
         if self.ends is not None and self.ends.layers:
             w_b += self._rest_groups()
         return (w_b, self._group(x, self.carried_specs),
-                _floats(self._group(batch_m, self.batch_specs)))
+                ar.floats(self._group(batch_m, self.batch_specs)))
 
     def _group_w_specs(self) -> list[Spec]:
         # the accumulators' specs [v, G, k, ...] less v
@@ -328,7 +318,7 @@ class _Tick:
                 out.append(None)
                 continue
             g = jnp.reshape(x, (G, x.shape[0] // G) + tuple(x.shape[1:]))
-            out.append(_constrain(self.pieces, g, Spec((axes, ()) + sp.dims[1:])))
+            out.append(ar.constrain(self.pieces, g, Spec((axes, ()) + sp.dims[1:])))
         return out
 
     def _regroup(self, x: Any, dim: int) -> Any:
@@ -388,12 +378,12 @@ class _Tick:
         if self.recompute:
             y = self.pieces.chunk(w_c, act_c, x, self.rest, batch_m)
             return self._carried(y), list(x)
-        w_in, x_in, b_in = self._inputs(w_c, x, batch_m)
-        y, pull = jax.vjp(self._chunk_fn(act_c, batch_m), w_in, x_in, _floats(self.rest), b_in)
+        w_in, x_in, b_in = self.inputs(w_c, x, batch_m)
+        y, pull = jax.vjp(self.chunk_fn(act_c, batch_m), w_in, x_in, ar.floats(self.rest), b_in)
         y = self._ungroup(y)
         leaves = jax.tree.leaves(pull)
         stored = [leaves[i] for i, (kind, _) in enumerate(self.res.kinds) if kind == "store"]
-        stored = [_constrain(self.pieces, v, sp) for v, sp in zip(stored, self.res.specs,
+        stored = [ar.constrain(self.pieces, v, sp) for v, sp in zip(stored, self.res.specs,
                                                                    strict=True)]
         return self._carried(y), stored
 
@@ -403,13 +393,13 @@ class _Tick:
         pieces = self.pieces
 
         def f(r: list, x: list, b: list) -> Any:
-            return pieces.epilogue(_merge(self.rest, r), x,
-                                   _merge(batch_m, b)).astype(jnp.float32)
+            return pieces.epilogue(ar.merge(self.rest, r), x,
+                                   ar.merge(batch_m, b)).astype(jnp.float32)
 
-        loss, pull = jax.vjp(f, _floats(self.rest), list(y), _floats(batch_m))
+        loss, pull = jax.vjp(f, ar.floats(self.rest), list(y), ar.floats(batch_m))
         g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
-        return (loss, self._carried(_dense(ct_y, y)), _dense(g_r, self.rest),
-                self.rest_group_zeros(), _dense(ct_b, batch_m))
+        return (loss, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
+                self.rest_group_zeros(), ar.dense(ct_b, batch_m))
 
     def _epilogue_vjp_groups(self, y: list, batch_m: list) -> tuple:
         """The epilogue's backward with its head per row group (``ends.py``): the weights the
@@ -421,7 +411,7 @@ class _Tick:
         cuts = list(e.epi_cuts)
 
         def f(r: list, rg: list, x: list, b: list) -> Any:
-            rr, whole = _merge(self.rest, r), _merge(batch_m, b)
+            rr, whole = ar.merge(self.rest, r), ar.merge(batch_m, b)
             own = [self._regroup(rr[i], dim) for i, dim in cuts]
 
             def one(rg: list, x: list, b: list, own: list) -> list:
@@ -437,13 +427,13 @@ class _Tick:
             return out.astype(jnp.float32)
 
         rg = self._rest_groups()
-        loss, pull = jax.vjp(f, _floats(self.rest), rg, list(y), _floats(batch_m))
+        loss, pull = jax.vjp(f, ar.floats(self.rest), rg, list(y), ar.floats(batch_m))
         g_r, g_rg, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
-        return (loss, self._carried(_dense(ct_y, y)), _dense(g_r, self.rest),
-                _dense(g_rg, rg), _dense(ct_b, batch_m))
+        return (loss, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
+                ar.dense(g_rg, rg), ar.dense(ct_b, batch_m))
 
     def _no_epilogue(self, y: list) -> tuple:
-        ct_y = self._carried([_filled(v, self.fill) for v in y])
+        ct_y = self._carried([ar.filled(v, self.fill) for v in y])
         return (jnp.zeros((), jnp.float32), ct_y, [jnp.zeros_like(r) for r in self.rest],
                 self.rest_group_zeros(), [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
 
@@ -456,7 +446,7 @@ class _Tick:
         if self.groups is None:
             return []
         G = self.groups.size
-        return [_constrain(self.pieces, jnp.zeros((G,) + tuple(self.rest[i].shape),
+        return [ar.constrain(self.pieces, jnp.zeros((G,) + tuple(self.rest[i].shape),
                                                   self.rest[i].dtype), sp)
                 for i, sp in zip(self._grouped(), self.rest_g_specs, strict=True)]
 
@@ -465,7 +455,7 @@ class _Tick:
         the group dimension on the row axes, so each device holds its own group's copy)."""
         assert self.groups is not None
         G = self.groups.size
-        return [_constrain(self.pieces, jnp.broadcast_to(self.rest[i][None],
+        return [ar.constrain(self.pieces, jnp.broadcast_to(self.rest[i][None],
                                                          (G,) + tuple(self.rest[i].shape)), sp)
                 for i, sp in zip(self._grouped(), self.rest_g_specs, strict=True)]
 
@@ -480,7 +470,7 @@ class _Tick:
         return out
 
     def _add_groups(self, acc: list, gs: list) -> list:
-        return [_constrain(self.pieces, a + g.astype(a.dtype), sp)
+        return [ar.constrain(self.pieces, a + g.astype(a.dtype), sp)
                 for a, g, sp in zip(acc, gs, self.rest_g_specs, strict=True)]
 
     def rest_zeros(self) -> list:
@@ -508,13 +498,13 @@ class _Tick:
     # -- backward -----------------------------------------------------------------------------
     def backward(self, c: dict, row: dict) -> dict:
         pieces = self.pieces
-        batch_m = [_get(b, row["b_micro"]) for b in self.batch]
-        w_c = [_get(w, row["b_local"]) for w in self.weights]
-        act_c = _get(self.active, row["b_local"])
+        batch_m = [ar.get(b, row["b_micro"]) for b in self.batch]
+        w_c = [ar.get(w, row["b_local"]) for w in self.weights]
+        act_c = ar.get(self.active, row["b_local"])
 
         def run() -> tuple:
-            ct = self._carried([_get(b, row["b_ct"]) for b in c["ct"]])
-            stored = [_get(b, row["b_res"]) for b in c["res"]]
+            ct = self._carried([ar.get(b, row["b_ct"]) for b in c["ct"]])
+            stored = [ar.get(b, row["b_res"]) for b in c["res"]]
             g_w, ct_x, g_r, g_rg0, ct_b = self._chunk_backward(w_c, act_c, stored, ct,
                                                                 batch_m)
 
@@ -523,33 +513,33 @@ class _Tick:
                     return self._prologue_vjp_groups(ct_x, batch_m)
 
                 def f(r: list, b: list) -> list:
-                    return pieces.prologue(_merge(self.rest, r), _merge(batch_m, b))
+                    return pieces.prologue(ar.merge(self.rest, r), ar.merge(batch_m, b))
 
-                _, pull = jax.vjp(f, _floats(self.rest), _floats(batch_m))
-                g_r2, b2 = pull(_floats_like(ct_x))
-                return _dense(g_r2, self.rest), self.rest_group_zeros(), _dense(b2, batch_m)
+                _, pull = jax.vjp(f, ar.floats(self.rest), ar.floats(batch_m))
+                g_r2, b2 = pull(ar.floats_like(ct_x))
+                return ar.dense(g_r2, self.rest), self.rest_group_zeros(), ar.dense(b2, batch_m)
 
             def no_prologue() -> tuple:
                 return ([jnp.zeros_like(r) for r in self.rest], self.rest_group_zeros(),
                         [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
 
             g_r2, g_rg, b2 = jax.lax.cond(row["b_first"] > 0, into_prologue, no_prologue)
-            return (g_w, self._carried(ct_x), _add(g_r, g_r2), _add(g_rg0, g_rg),
-                    _add(ct_b, b2))
+            return (g_w, self._carried(ct_x), ar.add(g_r, g_r2), ar.add(g_rg0, g_rg),
+                    ar.add(ct_b, b2))
 
         def idle() -> tuple:
             shapes = jax.eval_shape(run)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-            ct_x = self._carried([_filled(a, self.fill) for a in shapes[1]])
+            ct_x = self._carried([ar.filled(a, self.fill) for a in shapes[1]])
             return (zeros[0], ct_x, *zeros[2:])
 
         g_w, ct_x, g_r, g_rg, ct_b = jax.lax.cond(row["b_on"] > 0, run, idle)
         c["in_ct"] = [jax.lax.ppermute(v, AXIS, self.bwd_perm) for v in ct_x]
-        c["g_w"] = [_constrain(self.pieces, _add_at(g, row["b_local"], d), sp)
+        c["g_w"] = [ar.constrain(self.pieces, ar.add_at(g, row["b_local"], d), sp)
                     for g, d, sp in zip(c["g_w"], g_w, self.w_local, strict=True)]
         c["g_rest"] = self._add_rest(c["g_rest"], g_r)
         c["g_rest_g"] = self._add_groups(c["g_rest_g"], g_rg)
-        c["g_batch"] = [_add_at(g, row["b_micro"], d) for g, d in zip(c["g_batch"], ct_b,
+        c["g_batch"] = [ar.add_at(g, row["b_micro"], d) for g, d in zip(c["g_batch"], ct_b,
                                                                       strict=True)]
         return c
 
@@ -560,7 +550,7 @@ class _Tick:
         gp, cuts, axes = self.gpieces, list(self.ends.pro_cuts), self.groups.axes
 
         def f(r: list, rg: list, b: list) -> list:
-            rr, whole = _merge(self.rest, r), _merge(batch_m, b)
+            rr, whole = ar.merge(self.rest, r), ar.merge(batch_m, b)
             own = [self._regroup(rr[i], dim) for i, dim in cuts]
 
             def one(rg: list, b: list, own: list) -> list:
@@ -570,32 +560,32 @@ class _Tick:
                 rg, self._group(whole, self.batch_specs), own))
 
         rg = self._rest_groups()
-        _, pull = jax.vjp(f, _floats(self.rest), rg, _floats(batch_m))
-        g_r, g_rg, b2 = pull(_floats_like(ct_x))
-        return _dense(g_r, self.rest), _dense(g_rg, rg), _dense(b2, batch_m)
+        _, pull = jax.vjp(f, ar.floats(self.rest), rg, ar.floats(batch_m))
+        g_r, g_rg, b2 = pull(ar.floats_like(ct_x))
+        return ar.dense(g_r, self.rest), ar.dense(g_rg, rg), ar.dense(b2, batch_m)
 
     def _chunk_backward(self, w_c: list, act_c: Any, stored: list, ct: list, batch_m: list
                         ) -> tuple:
-        f = self._chunk_fn(act_c, batch_m)
+        f = self.chunk_fn(act_c, batch_m)
         if self.recompute:
-            w_in, x_in, b_in = self._inputs(w_c, list(stored), batch_m)
-            _, pull = jax.vjp(f, w_in, x_in, _floats(self.rest), b_in)
+            w_in, x_in, b_in = self.inputs(w_c, list(stored), batch_m)
+            _, pull = jax.vjp(f, w_in, x_in, ar.floats(self.rest), b_in)
         else:
-            w_in, _, b_in = self._inputs(w_c, [None] * len(ct), batch_m)
+            w_in, _, b_in = self.inputs(w_c, [None] * len(ct), batch_m)
             pull = self._pullback(f, w_in, stored, b_in)
         grouped = self.groups is not None
         ct_in = self._group(ct, self.carried_specs) if grouped else list(ct)
         b_all = self._group(batch_m, self.batch_specs) if grouped else batch_m
-        g_w, ct_x, g_r, ct_b = pull(_floats_like(ct_in))
-        g_w = _dense(g_w, w_in)
+        g_w, ct_x, g_r, ct_b = pull(ar.floats_like(ct_in))
+        g_w = ar.dense(g_w, w_in)
         n_w = len(w_c)
         g_rg = g_w[n_w:] if len(g_w) > n_w else self.rest_group_zeros()
         g_w = g_w[:n_w]
         if grouped:
             g_w = [self._unregroup(g, self.w_cuts[j]) if j in self.w_cuts else g
                    for j, g in enumerate(g_w)]
-        return (g_w, self._ungroup(_dense(ct_x, ct_in)), _dense(g_r, self.rest), g_rg,
-                self._ungroup(_dense(ct_b, b_all)))
+        return (g_w, self._ungroup(ar.dense(ct_x, ct_in)), ar.dense(g_r, self.rest), g_rg,
+                self._ungroup(ar.dense(ct_b, b_all)))
 
     def _pullback(self, f: Callable, w_c: list, stored: list, b_floats: list) -> Any:
         """The forward's pullback, its leaves from the slots, the weights, the batch, or
@@ -604,8 +594,8 @@ class _Tick:
         again: list = []
         if any(k == "recompute" for k, _ in kinds):
             x0 = [jnp.zeros(a.shape, a.dtype) for a in self.res.x_avals]
-            again = jax.tree.leaves(jax.vjp(f, w_c, x0, _floats(self.rest), b_floats)[1])
-        sources = {"w": w_c, "r": _floats(self.rest), "b": b_floats}
+            again = jax.tree.leaves(jax.vjp(f, w_c, x0, ar.floats(self.rest), b_floats)[1])
+        sources = {"w": w_c, "r": ar.floats(self.rest), "b": b_floats}
         it = iter(stored)
         leaves = []
         for i, (kind, j) in enumerate(kinds):
@@ -616,177 +606,3 @@ class _Tick:
             else:
                 leaves.append(sources[kind][j])
         return jax.tree.unflatten(self.res.treedef, leaves)
-
-
-def _probe(tick: _Tick, carried0: Any) -> None:
-    """Traces one chunk's forward to learn its pullback's leaves: which are the weights or
-    the batch (taken live in the backward), which depend on the activation or the batch
-    (stored), and which on neither (recomputed)."""
-    pieces, res, rest = tick.pieces, tick.res, tick.rest
-    res.x_avals = list(carried0)
-    if tick.recompute:
-        res.stored = list(carried0)
-        res.specs = [pieces.spec(v) for v in pieces.p.carried_in]
-        return
-    a0 = tick.active[0]
-    batch_m = [b[0] for b in tick.batch]
-    w0, x_in, b_in = tick._inputs([w[0] for w in tick.weights],
-                                  [jnp.zeros(a.shape, a.dtype) for a in carried0], batch_m)
-    res.x_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in x_in]
-    chunk = tick._chunk_fn(a0, batch_m)
-
-    def leaves_of(w: list, x: list, r: list, b: list) -> list:
-        def f(w: list, x: list, rr: list, bb: list) -> list:
-            return chunk(w, x, _merge(rest, rr), bb)
-
-        _, pull = jax.vjp(f, w, x, r, b)
-        leaves, res.treedef = jax.tree.flatten(pull)
-        ids: dict[int, tuple[str, int]] = {}
-        for kind, group in (("w", w), ("r", r), ("b", b)):
-            for j, v in enumerate(group):
-                if v is not None:
-                    ids.setdefault(id(v), (kind, j))
-        res.kinds = [ids.get(id(leaf), ("?", -1)) for leaf in leaves]
-        return leaves
-
-    x0 = [jnp.zeros(a.shape, a.dtype) for a in res.x_avals]
-    floats_r = _floats(rest)
-    closed = jax.make_jaxpr(leaves_of)(w0, x0, floats_r, b_in)
-    n_w, n_x = len(w0), len(x0)
-    n_r = len(jax.tree.leaves(floats_r))
-    invars = closed.jaxpr.invars
-    tainted = set(invars[n_w:n_w + n_x]) | set(invars[n_w + n_x + n_r:])
-    dirty = _taint(closed.jaxpr, tainted)
-    producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
-    kinds, stored, specs = [], [], []
-    for (kind, j), out in zip(res.kinds, closed.jaxpr.outvars, strict=True):
-        if kind != "?":
-            kinds.append((kind, j))
-        elif _is_literal(out) or out not in dirty:
-            kinds.append(("recompute", -1))
-        else:
-            kinds.append(("store", -1))
-            stored.append(out.aval)
-            producer = producers.get(out)
-            specs.append(_sharding_spec(producer, list(producer.outvars).index(out))
-                         if producer is not None else None)
-    res.kinds, res.stored, res.specs = kinds, stored, specs
-
-
-def _taint(jaxpr: Any, tainted: set) -> set:
-    """Variables of ``jaxpr`` that depend on ``tainted``: through a ``scan`` output by output
-    (a layer stack's weight-only residuals stay clean), through other nested equations as a
-    whole."""
-    dirty = set(tainted)
-    for eqn in jaxpr.eqns:
-        ins = [not _is_literal(v) and v in dirty for v in eqn.invars]
-        if not any(ins):
-            continue
-        if eqn.primitive.name == "scan":
-            dirty.update(v for v, d in zip(eqn.outvars, _scan_taint(eqn, ins), strict=True)
-                         if d)
-        else:
-            dirty.update(eqn.outvars)
-    return dirty
-
-
-def _scan_taint(eqn: Any, ins: list[bool]) -> list[bool]:
-    """Which outputs of a scan depend on its tainted operands (carries to a fixed point)."""
-    from jaxpar._src.compat import scan_counts
-
-    body = eqn.params["jaxpr"].jaxpr
-    nc, nk = scan_counts(eqn.params)
-    flags = list(ins)
-    while True:
-        inner = _taint(body, {v for v, d in zip(body.invars, flags, strict=True) if d})
-        outs = [not _is_literal(v) and v in inner for v in body.outvars]
-        grown = [f or (nc <= i < nc + nk and outs[i - nc]) for i, f in enumerate(flags)]
-        if grown == flags:
-            return outs
-        flags = grown
-
-
-def _is_literal(v: Any) -> bool:
-    return type(v).__name__ == "Literal"
-
-
-def _sharding_spec(eqn: Any, index: int = 0) -> Spec | None:
-    """The layout a residual was constrained to where it was made, if it was (a scan's
-    stacked output: its body's layout under a leading unsplit dimension)."""
-    if eqn is None:
-        return None
-    if eqn.primitive.name == "scan":
-        from jaxpar._src.compat import scan_counts
-
-        body = eqn.params["jaxpr"].jaxpr
-        if index < scan_counts(eqn.params)[1]:
-            return None  # a carry: not stacked
-        out = body.outvars[index]
-        producer = next((e for e in body.eqns if out in e.outvars), None)
-        inner = _sharding_spec(producer, list(producer.outvars).index(out)) if producer \
-            else None
-        return None if inner is None else Spec(((),) + inner.dims)
-    if eqn.primitive.name != "sharding_constraint":
-        return None
-    spec = getattr(eqn.params["sharding"], "spec", None)
-    if spec is None:
-        return None
-    return Spec.from_partition_spec(spec, len(eqn.outvars[0].aval.shape))
-
-
-# -- small helpers -----------------------------------------------------------------------------
-def _filled(aval: Any, fill: float, lead: tuple[int, ...] = ()) -> Any:
-    """An array of ``aval``'s shape (after ``lead``) holding ``fill``; integers hold zero."""
-    shape = lead + tuple(aval.shape)
-    if is_float(aval):
-        return jnp.full(shape, fill, aval.dtype)
-    return jnp.zeros(shape, aval.dtype)
-
-
-def _constrain(pieces: Pieces, x: Any, spec: Spec | None, lead: int = 0) -> Any:
-    if spec is None:
-        return x
-    return pieces.constrain(x, Spec(((),) * lead + spec.dims))
-
-
-def _get(buf: Any, i: Any) -> Any:
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _put(buf: Any, i: Any, x: Any) -> Any:
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-
-
-def _add_at(buf: Any, i: Any, x: Any) -> Any:
-    if not is_float(buf):
-        return buf
-    return _put(buf, i, _get(buf, i) + x.astype(buf.dtype))
-
-
-def _add(a: list, b: list) -> list:
-    return [x + y if is_float(x) else x for x, y in zip(a, b, strict=True)]
-
-
-def _floats(xs: Sequence[Any]) -> list:
-    """The floating inputs (the only ones with gradients); others become ``None`` leaves."""
-    return [x if is_float(x) else None for x in xs]
-
-
-def _merge(full: Sequence[Any], floats: Sequence[Any]) -> list:
-    return [f if f is not None else x for x, f in zip(full, floats, strict=True)]
-
-
-def _dense(cts: Sequence[Any], like: Sequence[Any]) -> list:
-    """Cotangents as arrays of the primal's dtype (zeros where JAX gave float0 or None)."""
-    out = []
-    for ct, x in zip(cts, like, strict=True):
-        if ct is None or not is_float(x) or getattr(ct, "dtype", None) == jax.dtypes.float0:
-            out.append(jnp.zeros(jnp.shape(x), jnp.result_type(x)))
-        else:
-            out.append(ct.astype(jnp.result_type(x)))
-    return out
-
-
-def _floats_like(cts: Sequence[Any]) -> list:
-    """Cotangents for the carried values: float0 zeros for the integer ones."""
-    return [ct if is_float(ct) else np.zeros(ct.shape, jax.dtypes.float0) for ct in cts]
