@@ -23,7 +23,7 @@ from jaxpar._src.context import (
 )
 from jaxpar._src.cost import CostModel
 from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
-from jaxpar._src.dispatch import MISS, FastPath, check_signature
+from jaxpar._src.dispatch import MISS, FastPath, refuse_fast_trace
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.executable_cache import (
     LOADED_NOTE,
@@ -351,7 +351,7 @@ class Parallelized:
             arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
             flat_in = _in_shardings(plan, mesh, arrivals)
             build = functools.cache(functools.partial(
-                self._jit, program, plan, mesh, settings, arrivals, signature))
+                self._jit, program, plan, mesh, settings, arrivals))
             if cache_dir and key is not None and text_sha is not None and storable():
                 # the executable beside the plan (executable_cache.py)
                 exec_key = executable_key(
@@ -448,7 +448,7 @@ class Parallelized:
                              for n in program.graph.inputs]
                 arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
                 flat_in = _in_shardings(plan, settings.mesh, arrivals)
-                jitted = self._jit(program, plan, settings.mesh, settings, arrivals, signature)
+                jitted = self._jit(program, plan, settings.mesh, settings, arrivals)
                 # Lowered from the arguments as the call places them, so that the call's
                 # jax.jit finds this lowering and executable in its caches: no second compile.
                 lowered = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
@@ -607,7 +607,7 @@ class Parallelized:
             return None
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings, arrivals: Sequence[Spec | None], signature: tuple) -> Any:
+             settings: Settings, arrivals: Sequence[Spec | None]) -> Any:
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
@@ -626,8 +626,8 @@ class Parallelized:
         in_tree, out_tree = program.in_tree, program.out_tree
 
         def wrapped(*args: Any) -> Any:
-            # A fast-path call that jit traces anew must be one this plan was made for.
-            check_signature(args, signature, info.static_argnums, api=info.api)
+            # A fast-path call that jit traces anew goes the full path instead (dispatch.py).
+            refuse_fast_trace()
             dyn = tuple(a for i, a in enumerate(args) if i not in static)
             leaves = jax.tree.leaves(dyn)
             for k, sharding in entry.items():
