@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -231,10 +232,14 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
 
     jax.monitoring.register_event_listener(count)
     row: dict = {"kind": kind, "layers": layers}
+    spent: dict[str, float] = {}  # where the trace, the plan cache and the call's time goes
+    # Moving arguments to their shardings: jax.device_put's and a jitted call's alike (JAX's
+    # private module, read by the bench only: jax.jit's transfers happen inside its call).
+    _timed(importlib.import_module("jax._src.interpreters.pxla"), "shard_args", spent, "shard")
+    collecting = _gc_clock()  # Python's cyclic collector, in both kinds
     if kind == "jaxpar":
         from jaxpar._src import api, executable_cache, trace
 
-        spent: dict[str, float] = {}  # where the trace and the plan cache's time goes
         _timed(trace._Builder, "build", spent, "graph")
         _timed(api, "trace", spent, "trace")
         _timed(api, "plan_cache_key", spent, "key")
@@ -248,12 +253,18 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
         events.clear()  # what JAX records from here on is the lowering and compile
         jax.block_until_ready(pf(*args))  # lower, compile, run
         t2 = time.perf_counter()
+        row["gc_s"] = collecting()
+        row.update(events, xla_cache=dict(counts))  # the first call's, not the run alone's
         executable_cache.flush()  # what the process waits for at exit: the background write
+        write_wait = time.perf_counter() - t2
+        spent = dict(spent)  # the first call's (the run alone below adds to the timers)
+        placed = pf._placed(args, entry)
+        row["run_s"] = _run_alone(jax, lambda: pf(*placed))
         plan = entry.plan
         row.update(first_call_s=t2 - t0, trace_s=entry.timings["trace"],
                    plan_s=entry.timings["search"], call_s=t2 - t1,
                    place_s=spent.get("place", 0.0), store_s=spent.get("store", 0.0),
-                   write_wait_s=time.perf_counter() - t2,
+                   write_wait_s=write_wait, shard_s=spent.get("shard", 0.0),
                    exec_s=entry.timings.get("executable", 0.0),
                    make_jaxpr_s=spent.get("trace", 0.0) - spent.get("graph", 0.0),
                    graph_s=spent.get("graph", 0.0), key_s=spent.get("key", 0.0),
@@ -264,7 +275,8 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
         if not os.path.exists(specs_path):
             with open(specs_path, "w") as f:
                 json.dump({"in": [list(s.to_partition_spec()) for s in plan.input_specs],
-                           "out": [list(s.to_partition_spec()) for s in plan.output_specs]}, f)
+                           "out": [list(s.to_partition_spec()) for s in plan.output_specs],
+                           "out_tree": str(entry.program.out_tree)}, f)
     else:
         with open(specs_path) as f:
             specs = json.load(f)
@@ -274,18 +286,63 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
                 NamedSharding(mesh, P(*(tuple(a) if isinstance(a, list) else a for a in s)))
                 for s in flat])
 
-        out_tree = jax.eval_shape(step, *args)
+        # The step returns (params, opt_state, loss): its output tree without tracing it
+        # (jax.eval_shape(step) would fill jax.jit's trace cache, and the first call would not
+        # trace: 2.5 s of the 24-layer call missing from jax.jit's side).
+        out_tree = (args[0], args[1], 0.0)
+        assert str(jax.tree.structure(out_tree)) == specs["out_tree"], "another output tree"
+        in_shardings = shardings(args, specs["in"])
         t0 = time.perf_counter()
-        jitted = jax.jit(step, in_shardings=shardings(args, specs["in"]),
+        jitted = jax.jit(step, in_shardings=in_shardings,
                          out_shardings=shardings(out_tree, specs["out"]))
         jax.block_until_ready(jitted(*args))
-        row.update(first_call_s=time.perf_counter() - t0)
-    row.update(events)
-    if kind == "jaxpar":  # the call less placing, lowering and XLA's compile: running the step
-        row["rest_s"] = row["call_s"] - row["place_s"] - sum(events.get(k, 0.0) for k in (
-            "jax_trace_s", "to_mlir_s", "xla_compile_s"))
-    row["xla_cache"] = counts
+        row.update(first_call_s=time.perf_counter() - t0, gc_s=collecting(),
+                   place_s=spent.get("shard", 0.0))  # inside the call: shard_args
+        row.update(events, xla_cache=dict(counts))  # the first call's, not the run alone's
+        placed = jax.device_put(args, in_shardings)
+        row["run_s"] = _run_alone(jax, lambda: jitted(*placed))
+    # the call less placing, lowering and XLA's compile (and, for jax.jit, its trace of the
+    # step, which jaxpar does before the call): JAX's dispatch and the step's first run
+    call = row["call_s"] if kind == "jaxpar" else row["first_call_s"]
+    row["rest_s"] = call - row["place_s"] - sum(row.get(k, 0.0) for k in (
+        "jax_trace_s", "to_mlir_s", "xla_compile_s"))
     return row
+
+
+def _gc_clock():
+    """Starts timing Python's cyclic collections; the function returned stops it and gives the
+    seconds they took (a collection's pause lands in whatever phase allocates)."""
+    import gc
+
+    spent, started = [0.0], [0.0]
+
+    def clock(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(clock)
+
+    def stop() -> float:
+        gc.callbacks.remove(clock)
+        return spent[0]
+
+    return stop
+
+
+def _run_alone(jax, call) -> float:
+    """Seconds of a call whose program is compiled and whose inputs are in place: the step's
+    run (and the dispatch of a warm call), the median of three after one untimed call (the
+    first with inputs placed by hand may trace and compile again: other argument shardings
+    than the first call's, for jax.jit's C++ cache)."""
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 # -- 3. phases, fresh processes -------------------------------------------------------------
@@ -513,9 +570,10 @@ def _pair(layers: int, run: int, ours: dict, jit: dict, repeat: int, jit_first: 
             "phases": {k: ours.get(k, 0.0) for k in (
                 "trace_s", "make_jaxpr_s", "graph_s", "key_s", "plan_s", "exec_s", "call_s",
                 "jax_trace_s", "to_mlir_s", "xla_compile_s", "place_s", "rest_s", "store_s",
-                "write_wait_s")},
+                "write_wait_s", "run_s", "gc_s")},
             "jit_phases": {k: jit.get(k, 0.0) for k in (
-                "jax_trace_s", "to_mlir_s", "xla_compile_s")}}
+                "jax_trace_s", "to_mlir_s", "xla_compile_s", "place_s", "rest_s", "run_s",
+                "gc_s")}}
 
 
 def first_call_rows(sizes: list[int], repeats: int = 3) -> list[dict]:
@@ -615,6 +673,39 @@ def first_call_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def side_by_side_table(rows: list[dict]) -> list[str]:
+    """The first call phase by phase, jaxpar's seconds beside jax.jit's equivalent."""
+    lines = ["## First call, phase by phase: jaxpar against jax.jit", "",
+             "The medians of the table above, phase by phase (seconds; run 1: empty caches, "
+             "run 2: warm). trace: JAX's trace of the step (jaxpar: make_jaxpr before the "
+             "call; jax.jit: inside its first call); graph, key, plan, executable: jaxpar's "
+             "own; lower: JAX's trace of the jitted function (jaxpar's: of its evaluator) and "
+             "its StableHLO; place: the arguments moved to their shardings (jaxpar: before "
+             "its jitted function; jax.jit: inside its call, its shard_args); rest: the first "
+             "call less the phases above: JAX's dispatch, its lowering outside StableHLO, the "
+             "first run of the step, the compilation cache's write, and for jaxpar its own "
+             "Python (settings, the jitted function built, the executable handed to the "
+             "background writer); run alone: a later call with the inputs in place (the "
+             "step's run, median of 3); gc: Python's cyclic collections during the first "
+             "call, wherever they fell.", "",
+             "| layers | run | | trace | graph | key | plan | executable | lower | XLA compile "
+             "| place | rest | first call | run alone | gc |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in _median_rows(rows):
+        p, j = r["phases"], r["jit_phases"]
+        ours = [p["make_jaxpr_s"], p["graph_s"], p["key_s"], p["plan_s"] - p["key_s"],
+                p["exec_s"], p["jax_trace_s"] + p["to_mlir_s"], p["xla_compile_s"],
+                p["place_s"], p["rest_s"], r["jaxpar_s"], p["run_s"], p["gc_s"]]
+        jit = [j["jax_trace_s"], None, None, None, None, j["to_mlir_s"], j["xla_compile_s"],
+               j["place_s"], j["rest_s"], r["jit_s"], j["run_s"], j["gc_s"]]
+        for name, cells in (("jaxpar", ours), ("jax.jit", jit),
+                            ("difference", [a - (b or 0.0) for a, b in zip(ours, jit,
+                                                                           strict=True)])):
+            lines.append(f"| {r['layers']} | {r['run']} | {name} | " + " | ".join(
+                "" if c is None else f"{c:.2f}" for c in cells) + " |")
+    return lines
+
+
 def run(quick: bool, out_dir: str, sizes: list[int] | None = None,
         per_call: bool = True, repeats: int | None = None) -> dict:
     """Both tables; writes ``first_call.json`` and ``first_call.md`` to ``out_dir``."""
@@ -632,6 +723,7 @@ def run(quick: bool, out_dir: str, sizes: list[int] | None = None,
     if result["per_call"]:
         lines += per_call_table(result["per_call"]) + [""]
     lines += first_call_table(result["first_call"]) + [""]
+    lines += side_by_side_table(result["first_call"]) + [""]
     with open(os.path.join(out_dir, "first_call.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -31,22 +31,55 @@ def _mlp(x, w):
     return jnp.tanh(x @ w) * 2
 
 
-def test_a_call_like_the_last_skips_the_full_path(full_calls):
+@pytest.fixture
+def compiles():
+    """How many times XLA compiled a program of ``_mlp`` (jaxpar names its program after the
+    function; moving arrays compiles small programs of its own)."""
+    count = [0]
+
+    def compiled(event, *_, fun_name="", **__):
+        if event == "/jax/core/compile/backend_compile_duration" and "_mlp" in fun_name:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(compiled)
+
+
+def test_a_call_like_the_last_skips_the_full_path(full_calls, compiles):
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     f = jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode="semi_auto_parallel",
                            in_strategy=((2, 1), (1, 4)))
     x, w = jnp.arange(64.0).reshape(8, 8) / 64, jnp.ones((8, 16)) / 8
-    want = jax.jit(_mlp)(x, w)
+    want = jax.jit(lambda *a: _mlp(*a))(x, w)
     first = f(x, w)  # the full path: plan, compile, place
-    assert full_calls[0] == 1
+    assert full_calls[0] == 1 and compiles[0] == 1
     xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, "mp")))
-    for _ in range(3):  # placed, and not placed (jit moves uncommitted arrays itself)
+    for _ in range(3):  # placed as the plan wants them: straight to the compiled program
         np.testing.assert_allclose(f(xs, ws), want, rtol=1e-6)
-        np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+        np.testing.assert_allclose(f(xs * 1, ws), want, rtol=1e-6)  # computed, as placed
     assert full_calls[0] == 1
     planned = f.plan(x, w).output_layouts()["out"]
     assert f(xs, ws).sharding.spec == first.sharding.spec == planned
+
+
+def test_arrays_not_yet_placed_are_placed_not_compiled_for_again(full_calls, compiles):
+    """The first call's arguments passed again (not placed): jax.jit would compile the plan's
+    program a second time for their layouts; the fast path gives up instead and the full path
+    places them for the program compiled once."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    f = jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode="semi_auto_parallel",
+                           in_strategy=((2, 1), (1, 4)))
+    x, w = jnp.arange(64.0).reshape(8, 8) / 64, jnp.ones((8, 16)) / 8
+    want = jax.jit(lambda *a: _mlp(*a))(x, w)
+    for _ in range(4):
+        np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+    assert compiles[0] == 1 and full_calls[0] >= 2  # placed by the full path each time
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
+    np.testing.assert_allclose(f(xs, jax.device_put(w, NamedSharding(mesh, P(None, "mp")))),
+                               want, rtol=1e-6)
+    assert compiles[0] == 1
 
 
 def test_calls_unlike_the_last_get_their_own_plan(full_calls):
@@ -76,14 +109,14 @@ def test_static_arguments_and_the_context_are_part_of_the_key(full_calls):
         assert g(x, 1).dtype == jnp.float32 and g(x, True).dtype == jnp.float32
         out = g(x, 2)
         assert full_calls[0] == 3  # 1, True and 2 are three programs, as in jax.jit
-        np.testing.assert_array_equal(g(x, 2), np.full((8, 2), 3.0))
+        np.testing.assert_array_equal(g(out - 2, 2), np.full((8, 2), 3.0))  # placed: fast
         assert full_calls[0] == 3 and out.sharding.spec == P("devices")
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     with jaxpar.auto_parallel_context(parallel_mode="data_parallel", mesh=mesh):
         y = g(x, 2)  # another context: another mesh
     assert full_calls[0] == 4 and y.sharding.mesh.axis_names == ("dp", "mp")
     with jaxpar.auto_parallel_context(parallel_mode="data_parallel", mesh=mesh):
-        g(x, 2)  # a new with-block of the same options is the same context
+        g(y - 2, 2)  # a new with-block of the same options is the same context
     assert full_calls[0] == 4
     jaxpar.set_algo_parameters(fully_use_devices=False)
     try:

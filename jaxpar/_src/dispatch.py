@@ -14,8 +14,12 @@ Why that is safe: ``jax.jit`` keys its cache on everything :func:`call_key` keys
 every leaf's shape, dtype and weak type, static arguments by type and value, the trace context)
 and on the arguments' shardings besides; a call it serves from its cache is one the plan was made
 for.  A call it does not know makes it trace the wrapped function again, and there
-:func:`check_signature` compares the call's key (trace context included) with the plan's and
-raises :class:`Retrace` if they differ.  ``jax.jit`` also refuses arguments committed to other
+:func:`refuse_fast_trace` raises :class:`Retrace`: another key needs its own plan, and the same
+key in other layouts (arrays not yet placed, say the arguments of the first call passed again)
+would have ``jax.jit`` trace, lower and compile the plan's program a second time for them (a
+whole XLA compile: 8.5 s for the 2-layer GPT step of ``bench/first_call.py``), where the
+full path moves them to the plan's layouts and runs the program compiled for those.
+``jax.jit`` also refuses arguments committed to other
 layouts than the plan's.  Either way the fast path gives up and the full path runs (and places
 the arguments, or raises the real error).  A give-up costs a few milliseconds (an abandoned
 trace, and JAX filtering the traceback of the exception), so after one the fast path sits out a
@@ -33,10 +37,9 @@ few calls, twice as many each time it gives up again; a long run of successes br
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from jaxpar._src.cache_key import call_key
 from jaxpar._src.context import algo_parameters, current_context
 from jaxpar._src.execution import pynative
 
@@ -52,19 +55,12 @@ class Retrace(Exception):
 _armed = threading.local()  # set while a fast-path call is in jax.jit
 
 
-def check_signature(args: Sequence[Any], expected: tuple[Any, ...], static_argnums:
-                    Sequence[int], *, api: str) -> None:
-    """Raises :class:`Retrace` when a fast-path call traces the jitted function with arguments
-    whose key (:func:`call_key`: JAX's trace context, trees, abstract values, static values)
-    differs from ``expected``, the key the plan was made for.  Outside a fast-path call it does
-    nothing: the full path has chosen the plan for exactly these arguments."""
-    if not getattr(_armed, "on", False):
-        return
-    try:
-        key = call_key(args, static_argnums, api=api)
-    except Exception:  # noqa: BLE001 - whatever it is, the full path reports it properly
-        raise Retrace from None
-    if key != expected:
+def refuse_fast_trace() -> None:
+    """Called where ``jax.jit`` traces the jitted function: raises :class:`Retrace` inside a
+    fast-path call, which ``jax.jit`` has no program for (see the module's docstring).
+    Outside a fast-path call it does nothing: the full path has chosen the plan for exactly
+    these arguments and placed them."""
+    if getattr(_armed, "on", False):
         raise Retrace
 
 
