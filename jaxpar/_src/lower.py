@@ -98,6 +98,13 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
       reshape reads it in that layout): a value read by two contractions keeps its
       constraint, without which XLA scheduled them the other way round (the same
       instructions, 64 KiB more live on ``tests/test_recompute.py``'s step);
+    - made by a reshape, squeeze, transpose, contraction or reduction without collectives
+      of its own (no partial sums to reduce, nothing moved between devices) from operands
+      read in their own layout, split only on mesh axes its operands are split on, and read
+      in that layout: the layout follows from the operands' (more than half of what was
+      left constrained on a transformer's train step).  Broadcasts stay constrained
+      (without theirs XLA's simplifier folded a constant through one: one multiply fewer
+      in an MLP's gradient, a different program);
     - read only as results of the program, in the layout ``jit``'s out_shardings give them.
 
     Checkpoint bodies keep every constraint.  ``tests/test_lower.py`` checks that the compiled
@@ -127,6 +134,21 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             graph.nodes[u.consumer].kind in readers and graph.nodes[u.consumer].remat is None and
             plan.decisions[u.consumer].in_specs[u.in_index] == spec for u in uses)
 
+    def follows_operands(node: Node) -> bool:
+        d = plan.decisions[node.id]
+        if node.name not in _FOLLOWERS or len(node.outputs) != 1 or d.collectives or \
+                node.id in scattered:
+            return False
+        for operand, read in zip(node.inputs, d.in_specs, strict=True):
+            if isinstance(operand, Const):
+                continue
+            v = graph.values[operand]
+            if plan.decisions[v.producer].out_specs[v.index] != read:
+                return False
+        split = {a for read in d.in_specs for a in read.axes}
+        return set(d.out_specs[0].axes) <= split
+
+    scattered = {nid for nid, _ in plan.scatters}  # ZeRO's reduce-scatters: written by hand
     inner = {n.id for n in graph.nodes if keeps_layout(n)}
     loose = set()
     for node in graph.nodes:
@@ -139,7 +161,15 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
                 loose.add(vid)
             elif read_as_made(vid, spec, _RESULTS):
                 loose.add(vid)
+            elif read_as_made(vid, spec, _READERS) and follows_operands(node):
+                loose.add(vid)
     return frozenset(loose)
+
+
+# Operators whose result layout follows from their operands' where they need no collective
+# (``loose_values``).
+_FOLLOWERS = frozenset({"reshape", "squeeze", "transpose", "dot_general", "reduce_sum",
+                        "reduce_max"})
 
 
 # Readers that take a value by its plain layout (a loop's or branch's crossing has its own).
