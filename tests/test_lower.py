@@ -78,6 +78,33 @@ def test_loose_results_change_no_collective(monkeypatch, case):
     assert compiled == predicted
 
 
+def test_layouts_that_follow_their_operands_are_left_unconstrained():
+    """A Megatron block's gradient: results of reshapes, transposes, and contractions and
+    reductions that need no collective, made from operands in their own layouts and read
+    as made, go unconstrained; a contraction with its all-reduce keeps its constraint
+    (the programs' equality: the tests above and below)."""
+    params, x = models.init_block(jax.random.key(0), batch=4, seq=8, d=32, ff=64)
+    step = jaxpar.parallelize(
+        jax.grad(models.block_loss), mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
+        parallel_mode="semi_auto_parallel", in_strategy=(
+            {"wq": (1, 4), "wk": (1, 4), "wv": (1, 4), "wo": (4, 1), "w1": (1, 4), "b1": (4,),
+             "w2": (4, 1), "ln_g": (1,), "ln_b": (1,)}, (2, 1, 1)))
+    graph, plan = step.compiled_entry(params, x).program.graph, step.plan(params, x)
+    loose = lower.loose_values(graph, plan)
+    seen = collections.Counter()
+    for node in graph.nodes:
+        if node.name not in ("reshape", "transpose", "dot_general", "reduce_sum"):
+            continue
+        d = plan.decisions[node.id]
+        free = node.outputs[0] in loose
+        seen[(node.name, bool(d.collectives), free)] += 1
+        if d.collectives:
+            assert not free, (node, d.strategy_str())
+    for name in ("reshape", "transpose", "dot_general", "reduce_sum"):
+        assert seen[(name, False, True)] > 0, (name, seen)
+    assert seen[("dot_general", True, False)] > 0  # the row-parallel contractions
+
+
 def test_loops_and_checkpoints_are_evaluated():
     """What the annotated jaxpr does not cover (loops, checkpoint bodies) is evaluated."""
     def scanned(x):
@@ -161,9 +188,10 @@ def _remat_case():
                                   "blocks auto"])
 def test_pruned_constraints_compile_to_the_same_program(monkeypatch, tmp_path, case):
     """Left out are the constraints XLA's propagation derives anyway (elementwise runs and
-    their last values, values only returned): the partitioned program is the fully
-    constrained one's, collectives and every instruction, with far fewer constraints to
-    propagate (XLA's compile time grows with them: bench/first_call.py --compile)."""
+    their last values, layouts that follow from the operands', values only returned): the
+    partitioned program is the fully constrained one's, collectives and every instruction,
+    with far fewer constraints to propagate (XLA's compile time grows with them:
+    bench/first_call.py --compile)."""
     fn, args, options = {"gpt semi-auto": lambda: _gpt_case(True),
                          "gpt auto": lambda: _gpt_case(False),
                          "mlp auto": _mlp_case, "fsdp pinned": _fsdp_case,

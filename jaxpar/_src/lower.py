@@ -7,13 +7,15 @@ a constrained copy is made for it (that is the layout change the plan priced).  
 with ``lax.scan``/``lax.while_loop``/``lax.switch`` around the constrained bodies, their carries
 pinned to one layout on both ends.  XLA's SPMD partitioner then inserts the collectives.
 
-Not every constraint is needed, and each costs XLA compile time (Shardy's propagation visits
-them all: at 24 layers of a GPT train step 5.6k constraints made XLA's compile 1.4x ``jax.jit``'s,
-for the very same partitioned program).  :func:`loose_values` finds the results whose layout XLA
-would derive anyway and leaves them unconstrained (about two thirds of a transformer's train
-step): results of elementwise operators whose operands are in the result's layout (the forward
-image of constrained values) read in that layout, and values only returned (``jit``'s
-out_shardings say it).  Contractions, reductions, reshapes, broadcasts, layout changes and
+Not every constraint is needed, and each costs XLA compile time (Shardy's propagation visits them
+all: at 24 layers of a GPT train step 5.6k constraints made XLA's compile 1.4x ``jax.jit``'s, for
+the very same partitioned program).  :func:`loose_values` finds the results whose layout XLA would
+derive anyway and leaves them unconstrained (seven in eight of a transformer's train step's: 1,379
+of 10,481 kept at 24 layers): results of elementwise operators whose operands are in the result's
+layout (the forward image of constrained values) read in that layout, results of reshapes,
+transposes, broadcasts, contractions and reductions that need no collective and whose layout
+follows from their operands', and values only returned (``jit``'s out_shardings say
+it).  Contractions and reductions with collectives, broadcasts of scalars, layout changes and
 parameters stay constrained, so there is no other layout for XLA to pick; ``tests/test_lower.py``
 checks that the compiled program, collectives and instructions, is the fully constrained one's.
 
@@ -98,6 +100,13 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
       reshape reads it in that layout): a value read by two contractions keeps its
       constraint, without which XLA scheduled them the other way round (the same
       instructions, 64 KiB more live on ``tests/test_recompute.py``'s step);
+    - made by a reshape, squeeze, transpose, broadcast (of an array), contraction or
+      reduction without collectives of its own (no partial sums to reduce, nothing moved
+      between devices) from operands read in their own layout, split only on mesh axes its
+      operands are split on, and read in that layout: the layout follows from the operands'
+      (more than half of what was left constrained on a transformer's train step).
+      Broadcasts of scalars stay constrained (without theirs XLA's simplifier folded a
+      constant through one: one multiply fewer in an MLP's gradient, a different program);
     - read only as results of the program, in the layout ``jit``'s out_shardings give them.
 
     Checkpoint bodies keep every constraint.  ``tests/test_lower.py`` checks that the compiled
@@ -127,6 +136,24 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             graph.nodes[u.consumer].kind in readers and graph.nodes[u.consumer].remat is None and
             plan.decisions[u.consumer].in_specs[u.in_index] == spec for u in uses)
 
+    def follows_operands(node: Node) -> bool:
+        d = plan.decisions[node.id]
+        if node.name not in _FOLLOWERS or len(node.outputs) != 1 or d.collectives or \
+                node.id in scattered:
+            return False
+        for operand, read in zip(node.inputs, d.in_specs, strict=True):
+            if isinstance(operand, Const):
+                if node.name == "broadcast_in_dim":
+                    return False
+                continue
+            v = graph.values[operand]
+            if plan.decisions[v.producer].out_specs[v.index] != read or \
+                    node.name == "broadcast_in_dim" and not v.shape:
+                return False
+        split = {a for read in d.in_specs for a in read.axes}
+        return set(d.out_specs[0].axes) <= split
+
+    scattered = {nid for nid, _ in plan.scatters}  # ZeRO's reduce-scatters: written by hand
     inner = {n.id for n in graph.nodes if keeps_layout(n)}
     loose = set()
     for node in graph.nodes:
@@ -139,7 +166,15 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
                 loose.add(vid)
             elif read_as_made(vid, spec, _RESULTS):
                 loose.add(vid)
+            elif read_as_made(vid, spec, _READERS) and follows_operands(node):
+                loose.add(vid)
     return frozenset(loose)
+
+
+# Operators whose result layout follows from their operands' where they need no collective
+# (``loose_values``).
+_FOLLOWERS = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "dot_general",
+                        "reduce_sum", "reduce_max"})
 
 
 # Readers that take a value by its plain layout (a loop's or branch's crossing has its own).
