@@ -20,8 +20,9 @@ Exact only if no row of one group meets a row of another in the chunk: :func:`ro
 it from the layer's operators, following the row dimension through each (elementwise, reshape,
 transpose, broadcast, dot_general on a free or batch dimension, reductions over other
 dimensions, ...).  Anything else (a batch-mean normalization, a reduction or contraction over the
-rows, an operator it does not know, a loop over the rows) keeps the per-micro-batch reduction,
-and ``plan.pipeline.explain()`` says why.  Where the layers are grouped, the prologue's backward
+rows, an operator it does not know, a loop over the rows, a layer weight the stage's plan splits
+over the rows' axes) keeps the per-micro-batch reduction, and ``plan.pipeline.explain()``
+says why.  Where the layers are grouped, the prologue's backward
 and the epilogue (embedding, head, loss) run per group too when ``ends.py`` proves it.
 """
 
@@ -133,6 +134,14 @@ def row_groups(*, graph: OpGraph, plan: ShardingPlan, layer: Any, carried_in: Se
     if any(v not in rest and v not in stacked for v in why):
         return RowGroups(axes, size, None, None, (), f"{per}: the layers read a value "
                          f"stretched over the rows that is not a weight")
+    # a weight split over the row axes: a group would hold a slice of it, not its own copy
+    # (a value stretched over the rows, read per group from its own rows, is no weight here)
+    split = [v for v in stacked if v not in why and set(axes) & {a for d in spec(v).dims
+                                                                    for a in d}]
+    if split:
+        return RowGroups(axes, size, None, None, (), f"{per}: a layer weight (shape "
+                         f"{graph.values[split[0]].shape}) is split over the row axes "
+                         f"{'+'.join(axes)}, so no row group holds it whole")
     cuts = tuple(("w", stacked.index(v), e, n) if v in stacked else ("r", rest.index(v), e, n)
                  for v, (e, n) in why.items())
     return RowGroups(axes, size, small, _without(plan, small, axes), cuts,
