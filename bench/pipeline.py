@@ -8,9 +8,16 @@ compiled program: per-device temporaries (``compiled.memory_analysis().temp_size
 activations, residual slots and buffers of the step; arguments and results are the weights and
 gradients, the same for every schedule), the collective-permutes over ``pp``, and from the plan:
 ticks, the simulated timeline's bubble fraction (unit costs: forward 1, backward 2 per stage) and
-the micro-batch chunks in flight per stage, and the bytes all-reduced over ``dp`` a step (in
-the loop and in all; the plan's prediction for the stage weight gradients).  The unpipelined
-step on the same mesh (the batch on all 8 devices) is the reference line.
+the micro-batch chunks in flight per stage, and the gradient bytes reduced over ``dp`` a step
+(loop trip counts included) inside the loop and after it, beside the plan's prediction
+(``plan.pipeline.gradient_reduction``): ``after_loop_bytes``, split into the stacked stage
+weights' gradients (when reduced once, after the loop) and the ends' (embedding, head, final
+norm: summed per row group in the loop, ``ends.py``), and "matches" where the compiled step's
+after-loop all-reduces total exactly the prediction.  Columns over dp: "all" every all-reduce and
+reduce-scatter over dp; "in loop" the gradients' inside the loop's code (the loss's scalar
+all-reduces aside), in brackets the plan's prediction (the stage weights' when reduced per chunk
+backward, else 0); "after" the gradients' all-reduces in the step's entry computation.  The
+unpipelined step on the same mesh (the batch on all 8 devices) is the reference line.
 
 A second table trains the same GPT with Adam under 1F1B, the blocks' weights per layer (laid
 out by the step's plan) against stacked by stage (``PipelineCell.stack``): per-device argument
@@ -79,8 +86,15 @@ def _measure(step, params, batch) -> dict:
     permutes = [c for c in colls if c.kind == "collective-permute"]
     over_dp = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and c.axes
                and "dp" in c.axes]
+    # after the loop: the step's entry computation (a phase of one tick also runs once a step,
+    # but inside the loop's code); the loss's scalar all-reduces are no gradient's
+    after = [c for c in over_dp if c.computation.startswith("main")]
+    grads = [c for c in over_dp if not all(sh.endswith("[]") for sh in c.shapes)]
     return {"dp_reduce_bytes": sum(c.nbytes * c.count for c in over_dp),
-            "dp_reduce_in_loop_bytes": sum(c.nbytes * c.count for c in over_dp if c.count > 1),
+            "dp_reduce_in_loop_bytes": sum(c.nbytes * c.count for c in grads
+                                           if c not in after),
+            "dp_reduce_after_loop_bytes": sum(c.nbytes * c.count for c in grads
+                                              if c in after and c.kind == "all-reduce"),
             "temp_bytes": int(mem.temp_size_in_bytes),
             "argument_bytes": int(mem.argument_size_in_bytes),
             "output_bytes": int(mem.output_size_in_bytes),
@@ -110,13 +124,19 @@ def rows(quick: bool = False) -> list[dict]:
                 pstep = jaxpar.parallelize(step, batch_argnums=1)
                 row = _measure(pstep, params, batch)
                 pipe = pstep.plan(params, batch).pipeline
+            red = pipe.gradient_reduction
             row.update(schedule=name, ticks=pipe.schedule.num_ticks,
                        bubble_unit=pipe.unit_timeline.bubble_fraction,
                        bubble_model=pipe.timeline.bubble_fraction,
                        in_flight=list(pipe.schedule.in_flight()),
                        split=list(pipe.split.counts),
-                       grad_reduce_once=pipe.gradient_reduction.once,
-                       grad_reduce_predicted=pipe.gradient_reduction.step_bytes)
+                       grad_reduce_once=red.once,
+                       grad_reduce_predicted=red.step_bytes,
+                       predicted_after_loop_bytes=red.after_loop_bytes,
+                       predicted_stacked_bytes=red.after_loop_bytes - red.ends_bytes,
+                       predicted_ends_bytes=red.ends_bytes,
+                       predicted_in_loop_bytes=0.0 if red.once else red.step_bytes,
+                       matches=red.after_loop_bytes == row["dp_reduce_after_loop_bytes"])
             out.append(row)
             print(f"pipeline {name}: temp {row['temp_bytes'] / 2**20:.2f} MiB, "
                   f"compile {row['compile_s']:.1f}s", flush=True)
@@ -186,26 +206,39 @@ def table(rows: list[dict]) -> list[str]:
              "residual slots, buffers); bubble: the simulated timeline with a stage's forward "
              "1 and backward 2; in flight: micro-batch chunks a stage holds residuals of.",
              "",
-             "All-reduce over dp: KiB per device a step (loop trip counts included), of it "
-             "inside the loop, and the plan's prediction for the stage weight gradients "
-             "(`plan.pipeline.gradient_reduction`).",
+             "Over dp, KiB per device a step (loop trip counts included), from the compiled HLO: "
+             "all: every all-reduce and reduce-scatter; in loop: the gradients' (not the "
+             "loss's scalars) inside the loop's code; after: the gradients' all-reduces in the "
+             "step's entry computation.  Predicted after: the plan's "
+             "`gradient_reduction.after_loop_bytes` = stacked (the stage weights', when "
+             "reduced once) + ends (embedding, head, final norm, summed per row group); "
+             "predicted in loop: the stage weights' when reduced per chunk backward. "
+             "Matches: measured after == predicted after.",
              "",
              "| schedule | temp MiB | ticks | bubble | (S-1)/(vM+S-1) | in flight per stage | "
-             "collective-permutes | all-reduce over dp KiB (in loop; predicted) | compile s |",
-             "|---|---:|---:|---:|---:|---|---|---|---:|"]
+             "collective-permutes | over dp: all | in loop (predicted) | after | "
+             "predicted after (stacked + ends) | matches | compile s |",
+             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        dp = f"{r['dp_reduce_bytes'] / 2**10:.1f} ({r['dp_reduce_in_loop_bytes'] / 2**10:.1f}"
+        def kib(key: str, r: dict = r) -> str:
+            return f"{r[key] / 2**10:.1f}"
+
+        dp = (f"{kib('dp_reduce_bytes')} | {kib('dp_reduce_in_loop_bytes')}"
+              + (f" ({kib('predicted_in_loop_bytes')})" if "ticks" in r else "")
+              + f" | {kib('dp_reduce_after_loop_bytes')}")
         if "ticks" not in r:
             lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | - | - | - | - | "
-                         f"{r['permutes']} | {dp}) | {r['compile_s']:.1f} |")
+                         f"{r['permutes']} | {dp} | - | - | {r['compile_s']:.1f} |")
             continue
-        dp += f"; {r['grad_reduce_predicted'] / 2**10:.1f})"
+        predicted = (f"{kib('predicted_after_loop_bytes')} ({kib('predicted_stacked_bytes')} + "
+                     f"{kib('predicted_ends_bytes')})")
         v = 2 if "v=2" in r["schedule"] else 1
         formula = 3 / (v * 16 + 3)
         axes = "+".join(r["permute_axes"])
         lines.append(f"| {r['schedule']} | {r['temp_bytes'] / 2**20:.2f} | {r['ticks']} | "
                      f"{r['bubble_unit']:.3f} | {formula:.3f} | {r['in_flight']} | "
-                     f"{r['permutes']} over {axes} | {dp} | {r['compile_s']:.1f} |")
+                     f"{r['permutes']} over {axes} | {dp} | {predicted} | "
+                     f"{'yes' if r['matches'] else 'NO'} | {r['compile_s']:.1f} |")
     return lines
 
 

@@ -18,7 +18,9 @@ itself costs.  Ten groups of tables, all in one run:
    1 and 4 processes against the checkpoint's size, and ``infer_predict_layout`` beside XLA's
    compile.
 8. **pipeline schedules** (``bench/pipeline.py``): for S=4 stages and M=16 micro-batches, each
-   schedule's compiled temporaries, ticks, bubble fraction and collective-permutes.
+   schedule's compiled temporaries, ticks, bubble fraction and collective-permutes, and the
+   gradient bytes all-reduced over dp inside the loop and after it, beside the plan's predicted
+   after-loop bytes (stacked stage weights + embedding/head/final norm) and whether they match.
 9. **recompute** (``bench/recompute.py``): a GPT train step's memory per device, predicted
    beside ``memory_analysis()``, against the recompute policy (none, dots, full, auto).
 10. **parallel optimizer** (``bench/zero.py``): memory per device (compiled and predicted) and
