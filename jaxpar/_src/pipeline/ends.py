@@ -32,11 +32,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpar._src.graph import Const, NodeKind, OpGraph
-from jaxpar._src.pipeline.groups import RowDim, _row_broadcast, _through
+from jaxpar._src.graph import Const, OpGraph
+from jaxpar._src.pipeline.groups import MIXED, RowDim, row_step
 from jaxpar._src.pipeline.layers import members
-
-MIXED = (-1, -1)  # the state of a value that depends on rows of two groups (the tail's)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -211,8 +209,8 @@ def _follow(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: dict[in
         cut: dict[int, RowDim] = {}
         why = None
         for nid in members(graph, top):
-            why = _step(graph, small, nid, state | local, made, sliced | cut, local, cut,
-                        rows, groups)
+            why = row_step(graph, small, nid, state | local, made, sliced | cut, local, cut,
+                            rows, groups)
             if why is not None:
                 break
         if why is None:
@@ -224,41 +222,3 @@ def _follow(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: dict[in
         else:
             return why
     return state, sliced, tail
-
-
-def _step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim], made: set[int],
-          sliced: dict[int, RowDim], local: dict[int, RowDim], cut: dict[int, RowDim],
-          rows: int, groups: int) -> str | None:
-    """One operator of :func:`_follow`: its results' row dimensions into ``local``, the
-    outside values it reads a group's slice of into ``cut``, or why it mixes rows."""
-    node = graph.nodes[nid]
-    for o in node.inputs:
-        if isinstance(o, Const):
-            continue
-        if state.get(o) == MIXED:
-            return f"{node.name} reads mixed rows"
-        if o not in made and o not in state and o not in sliced and \
-                small.values[o].shape != graph.values[o].shape:
-            c = _row_broadcast(graph, small, o)
-            if c is None:
-                return f"{node.name} ({node.source}) reads a value shaped by the row count"
-            cut[o] = c
-    ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
-    if node.kind is NodeKind.OP:
-        outs = _through(node, ins, graph, rows, small)
-    elif any(s is not None for s in ins):
-        return f"rows enter a {node.name} region ({node.source})"
-    else:
-        outs = [None] * len(node.outputs)
-    if isinstance(outs, str):
-        return f"{outs} ({node.source})"
-    for vid, s in zip(node.outputs, outs, strict=True):
-        want = list(graph.values[vid].shape)
-        if s is not None:
-            if want[s[0]] % groups:
-                return f"{node.name} makes a row dimension of {want[s[0]]}"
-            want[s[0]] //= groups
-            local[vid] = s
-        if tuple(small.values[vid].shape) != tuple(want):
-            return f"{node.name} ({node.source}) is shaped by the row count without carrying rows"
-    return None

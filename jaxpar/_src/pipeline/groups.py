@@ -41,6 +41,7 @@ from jaxpar._src.spec import MeshShape, Spec
 # (dim, minor): the row dimension of a value and the elements of that dimension per row (a
 # reshape may merge the rows with a dimension after them: [rows, seq] -> [rows * seq]).
 RowDim = tuple[int, int]
+MIXED = (-1, -1)  # the state of a value that depends on rows of two groups (ends.py's tail)
 
 ELEMENTWISE = frozenset("""
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy
@@ -240,39 +241,53 @@ def _mixes_rows(graph: OpGraph, small: OpGraph, layer: Any, seeds: dict[int, Row
     made = {v for top in layer.nodes for nid in members(graph, top)
             for v in graph.nodes[nid].outputs}
     for top in layer.nodes:
-        for nid in members(graph, top):
-            node = graph.nodes[nid]
-            for o in node.inputs:  # a weight or a mask read whole by every group
-                if not isinstance(o, Const) and o not in made and o not in state and \
-                        o not in sliced and small.values[o].shape != graph.values[o].shape:
-                    cut = _row_broadcast(graph, small, o)
-                    if cut is None:
-                        return (f"{node.name} ({node.source}) reads a value shaped by the row "
-                                f"count")
-                    sliced[o] = cut
-            ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
-            if node.kind is NodeKind.OP:
-                outs = _through(node, ins, graph, rows, small)
-            elif any(s is not None for s in ins):
-                return f"rows enter a {node.name} region ({node.source})"
-            else:
-                outs = [None] * len(node.outputs)
-            if isinstance(outs, str):
-                return f"{outs} ({node.source})"
-            for vid, s in zip(node.outputs, outs, strict=True):
-                want = list(graph.values[vid].shape)
-                if s is not None:
-                    state[vid] = s
-                    if want[s[0]] % groups:
-                        return f"{node.name} makes a row dimension of {want[s[0]]}"
-                    want[s[0]] //= groups
-                if tuple(small.values[vid].shape) != tuple(want):
-                    return (f"{node.name} ({node.source}) is shaped by the row count "
-                            f"without carrying rows")
+        for nid in members(graph, top):  # results into state, sliced outside values into sliced
+            why = row_step(graph, small, nid, state, made, sliced, state, sliced, rows, groups)
+            if why is not None:
+                return why
     out = [state.get(v) for v in layer.act_out]
     if any(s != (0, 1) for s in out):
         return "the layer's output does not carry the rows on dimension 0"
     return sliced
+
+
+def row_step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim],
+             made: set[int], sliced: dict[int, RowDim], local: dict[int, RowDim],
+             cut: dict[int, RowDim], rows: int, groups: int) -> str | None:
+    """One operator of the proof (:func:`_mixes_rows`, and ``ends.py``'s): its results' row
+    dimensions into ``local``, the values from outside (not ``made`` here) it reads a group's
+    slice of into ``cut`` (:func:`_row_broadcast`), or why it may mix rows of two groups."""
+    node = graph.nodes[nid]
+    for o in node.inputs:
+        if isinstance(o, Const):
+            continue
+        if state.get(o) == MIXED:
+            return f"{node.name} reads mixed rows"
+        if o not in made and o not in state and o not in sliced and \
+                small.values[o].shape != graph.values[o].shape:
+            c = _row_broadcast(graph, small, o)
+            if c is None:
+                return f"{node.name} ({node.source}) reads a value shaped by the row count"
+            cut[o] = c
+    ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
+    if node.kind is NodeKind.OP:
+        outs = _through(node, ins, graph, rows, small)
+    elif any(s is not None for s in ins):
+        return f"rows enter a {node.name} region ({node.source})"
+    else:
+        outs = [None] * len(node.outputs)
+    if isinstance(outs, str):
+        return f"{outs} ({node.source})"
+    for vid, s in zip(node.outputs, outs, strict=True):
+        want = list(graph.values[vid].shape)
+        if s is not None:
+            if want[s[0]] % groups:
+                return f"{node.name} makes a row dimension of {want[s[0]]}"
+            want[s[0]] //= groups
+            local[vid] = s
+        if tuple(small.values[vid].shape) != tuple(want):
+            return f"{node.name} ({node.source}) is shaped by the row count without carrying rows"
+    return None
 
 
 def _row_broadcast(graph: OpGraph, small: OpGraph, vid: int) -> tuple[int, int] | None:

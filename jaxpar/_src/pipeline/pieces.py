@@ -103,19 +103,8 @@ class Pieces:
     def epilogue(self, rest: Sequence[Any], carried: Sequence[Any], batch: Sequence[Any]
                  ) -> Any:
         """One micro-batch's loss from the last layer's carried values."""
-        p = self.p
-        last = p.layers.layers[-1]
-        n_act = len(last.act_out)
-        env: dict = {}
-        self._seed(env, p.rest, rest)
-        self._seed(env, last.act_out, carried[:n_act])
-        self._seed(env, p.carried_shared, carried[n_act:])
-        self._seed(env, p.batch, batch)
-        self._run(p.epi_nodes, env)
-        out = p.out_operand
-        if isinstance(out, Const):
-            return jnp.asarray(out.value)
-        return env[out]
+        return self.epilogue_part(rest, carried, batch, self.p.epi_nodes,
+                                  [self.p.out_operand])[0]
 
     def epilogue_part(self, rest: Sequence[Any], carried: Sequence[Any], batch: Sequence[Any],
                       nodes: Sequence[int], outs: Sequence[int], *,
