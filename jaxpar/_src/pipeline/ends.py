@@ -7,8 +7,8 @@ over the groups once after the loop instead of all-reduced once per micro-batch 
 
 * the prologue's backward runs under ``jax.vmap`` over the groups (the loss traced at
   ``rows / G`` rows), the weights it reads broadcast to ``[G, ...]``; exact if no operator of
-  it mixes rows of two groups (the same proof as the layers', :func:`groups._through`, which
-  knows the embedding's ``gather``);
+  it mixes rows of two groups (the same proof as the layers', operator by operator:
+  :func:`groups.row_step`, which knows the embedding's ``gather``);
 * the epilogue ends in the loss, which mixes every row (a mean over the rows and tokens).  It
   splits in two: the *head*, every operator before the first that mixes rows, runs per group
   (its weights broadcast to ``[G, ...]``); the *tail*, the operators that read a mixed value
