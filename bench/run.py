@@ -20,7 +20,10 @@ itself costs.  Ten groups of tables, all in one run:
 8. **pipeline schedules** (``bench/pipeline.py``): for S=4 stages and M=16 micro-batches, each
    schedule's compiled temporaries, ticks, bubble fraction and collective-permutes, and the
    gradient bytes all-reduced over dp inside the loop and after it, beside the plan's predicted
-   after-loop bytes (stacked stage weights + embedding/head/final norm) and whether they match.
+   after-loop bytes (stacked stage weights + embedding/head/final norm) and whether they match;
+   and (``bench/pipeline_memory.py``) a pipelined train step's memory per device, predicted
+   (``plan.memory_bytes`` with the loop's slots, accumulators and tick) beside
+   ``memory_analysis()``, per schedule, S, M, ZeRO level, residuals and row groups.
 9. **recompute** (``bench/recompute.py``): a GPT train step's memory per device, predicted
    beside ``memory_analysis()``, against the recompute policy (none, dots, full, auto).
 10. **parallel optimizer** (``bench/zero.py``): memory per device (compiled and predicted) and
@@ -424,6 +427,9 @@ def main() -> None:
     import pipeline  # bench/pipeline.py: the pipeline schedules side by side
 
     pipe = pipeline.main(["--quick"] if args.quick else [])
+    import pipeline_memory  # bench/pipeline_memory.py: the pipeline's memory, predicted
+
+    pipe_memory = pipeline_memory.main(["--quick"] if args.quick else [])
     import recompute  # bench/recompute.py: memory per device against the recompute policy
 
     remat = recompute.main(["--quick"] if args.quick else [])
@@ -439,7 +445,7 @@ def main() -> None:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "programs": programs, "search_gap": gaps, "hand_plans": hands,
                    "search_speed": speeds, "reports": reports, "mesh3": mesh3, **ckpt, **pipe,
-                   **remat, **zero_levels},
+                   **pipe_memory, **remat, **zero_levels},
                   f, indent=1)
     lines = [f"# jaxpar benchmark ({meta['devices']}, jax {meta['jax']}, {meta['cpus']} CPUs)",
              ""]
@@ -449,6 +455,7 @@ def main() -> None:
                   checkpoint.infer_table(ckpt["infer"]),
                   pipeline.table(pipe["pipeline_schedules"]),
                   pipeline.stacking_table(pipe["pipeline_stacking"]),
+                  pipeline_memory.table(pipe_memory["pipeline_memory"]),
                   recompute.table(remat["recompute_policies"]),
                   zero.table(zero_levels["zero_levels"])):
         lines += table + [""]

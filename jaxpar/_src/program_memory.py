@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar._src.graph import OpGraph
+from jaxpar._src.pipeline.memory import loop_temporaries
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.regather import NONE, Regather
 from jaxpar._src.scatter import unscattered
@@ -76,6 +77,7 @@ def lowered_memory(graph: OpGraph, plan: ShardingPlan, *, regather: Regather = N
         v = graph.values[graph.nodes[nid].outputs[0]]
         spec = unscattered(plan.decisions[nid].out_specs[0], scatter)
         temporaries.append((v.nbytes * spec.shard_fraction(plan.mesh), nid))
+    temporaries.extend(loop_temporaries(graph))  # what a pipeline's loop holds inside
     return lowered(graph, plan.decisions, plan.mesh,
                    again=regather.applies if regather else None, temporaries=temporaries)
 

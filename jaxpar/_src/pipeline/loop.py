@@ -47,6 +47,7 @@ from jaxpar._src.pipeline import arrays as ar
 from jaxpar._src.pipeline.config import AXIS
 from jaxpar._src.pipeline.ends import EndGroups
 from jaxpar._src.pipeline.groups import RowGroups, strip
+from jaxpar._src.pipeline.memory import record
 from jaxpar._src.pipeline.pieces import Pieces, is_float
 from jaxpar._src.pipeline.residuals import Residuals, probe
 from jaxpar._src.pipeline.slots import SlotTables
@@ -100,6 +101,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                     ends)
         if backward:
             probe(ctx, carried0)
+            record(program, res.stored, res.specs, res.full, res.full_specs)
         carry: dict[str, Any] = {
             "act": buf(carried0, tables.act_slots, carried_specs),
             "in_act": [ar.filled(a, fill) for a in carried0],

@@ -122,13 +122,22 @@ def _opaque_strategy(rule: FactorRule, specs: list[Spec], mesh: MeshShape) -> An
 def programs_in(graph: Any) -> list[Any]:
     """The pipelines whose loops a traced graph contains, in order."""
     out = []
+    for _, program in loops_in(graph):
+        if program not in out:
+            out.append(program)
+    return out
+
+
+def loops_in(graph: Any) -> list[tuple[int, Any]]:
+    """``(node id, program)`` of every pipeline loop of a traced graph this process built."""
+    out = []
     for node in graph.nodes:
         if node.kind is NodeKind.OP and node.name == "shard_map" and is_pipeline_loop(
                 node.eqn.params):
             found = _SCOPE_RE.findall(name_stack(node.eqn))
             program = _PROGRAMS.get(int(found[-1])) if found else None
-            if program is not None and program not in out:
-                out.append(program)
+            if program is not None:
+                out.append((node.id, program))
     return out
 
 

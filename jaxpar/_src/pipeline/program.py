@@ -32,6 +32,7 @@ from jaxpar._src.pipeline.config import AXIS, PipelineConfig
 from jaxpar._src.pipeline.ends import EndGroups, end_groups
 from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
+from jaxpar._src.pipeline.memory import split_bytes
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
     BACKWARD_FACTOR,
@@ -176,23 +177,27 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     costs = _costs(graph, plan, layers.layers[rep], parts, hardware)
     schedule = PipelineSchedule.build(config.schedule, S, M, config.repeats)
     forward = PipelineSchedule.build("forward", S, M, config.repeats)
-    in_flight = max(schedule.in_flight())
     if layers.marked:
         split = marked_split(n, stages=S, layer_s=costs["layer_s"],
                              prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
                              layer_bytes=costs["layer_bytes"],
                              residual_bytes=costs["residual_bytes"])
     else:
-        per_slot = config.repeats * 2 * costs["layer_bytes"] + \
-            in_flight * costs["residual_bytes"]
+        def need(k: int) -> float:  # linear in k (pipeline/memory.py)
+            return split_bytes(schedule, slots=k, layer_bytes=costs["layer_bytes"],
+                               residual_bytes=costs["residual_bytes"],
+                               carried_bytes=costs["act_bytes"], rest_bytes=costs["rest_bytes"],
+                               recompute=config.residuals == "recompute")
+
         assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = slots_within(float(hardware.memory_per_device),
-                                       fixed_bytes=2 * costs["rest_bytes"],
-                                       per_slot_bytes=per_slot, layers=n, chunks=C)
+                                       fixed_bytes=need(0), per_slot_bytes=need(1) - need(0),
+                                       layers=n, chunks=C)
         split = choose_split(n, stages=S, repeats=config.repeats, layer_s=costs["layer_s"],
                              prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
                              max_slots=max_slots, layer_bytes=costs["layer_bytes"],
                              residual_bytes=costs["residual_bytes"], fits=fits)
+        split = dataclasses.replace(split, memory_bytes=need(split.slots))
     rep_layer = layers.layers[rep]
     groups = row_groups(
         graph=graph, plan=plan, layer=rep_layer,

@@ -19,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.memory import LoopMemory, loop_memory
 from jaxpar._src.pipeline.schedule import PipelineSchedule, Timeline
 from jaxpar._src.pipeline.split import BACKWARD_FACTOR, StageSplit
 
@@ -44,6 +45,8 @@ class PipelinePlan:
       gradient_reduction: how the stacked weights' gradients, and the prologue's, epilogue's
         and shared unstacked weights', are reduced over the data-parallel axes
         (:class:`GradientReduction`; ``None`` if the rows are not split).
+      memory: what the tick loop holds per device beyond its operands and results
+        (:class:`~jaxpar._src.pipeline.memory.LoopMemory`; ``plan.memory_bytes`` counts it).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> def loss(w, x):
@@ -77,6 +80,7 @@ class PipelinePlan:
     crossing_bytes: float
     micro_rows: int
     gradient_reduction: GradientReduction | None = None
+    memory: LoopMemory | None = None
 
     @classmethod
     def of(cls, program: Any) -> PipelinePlan:
@@ -94,7 +98,7 @@ class PipelinePlan:
                    program.sub_how,
                    len(ls.layers), ls.period, ls.marked, len(program.pro_nodes),
                    len(program.epi_nodes), len(program.stacked), program.act_bytes,
-                   program.micro_size, GradientReduction.of(program))
+                   program.micro_size, GradientReduction.of(program), loop_memory(program))
 
     @property
     def bubble_fraction(self) -> float:
@@ -133,9 +137,11 @@ class PipelinePlan:
             f"{self.unit_timeline.bubble_fraction:.1%} with unit costs; in flight per stage "
             f"{list(s.in_flight())} chunk micro-batches")
         per_stage = sp.slots * c.repeats * sp.layer_bytes
-        lines.append(f"  memory per device (est.): stacked weights {_bytes(per_stage)}, "
-                     f"residuals up to {max(s.in_flight()) * sp.slots} layer x micro-batch "
-                     f"sets of {_bytes(sp.residual_bytes)}")
+        loop = f"; {self.memory.explain()}" if self.memory is not None else ""
+        check = (f"; the split's check {_bytes(sp.memory_bytes)} (weights, gradients, loop)"
+                 if sp.memory_bytes else "")
+        lines.append(f"  memory per device (est.): stacked weights {_bytes(per_stage)}{loop}"
+                     f"{check}")
         if self.gradient_reduction is not None:
             lines.append("  " + self.gradient_reduction.explain())
         if s.num_ticks <= MAX_GRID_TICKS:

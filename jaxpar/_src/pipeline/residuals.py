@@ -29,6 +29,10 @@ class Residuals:
     kinds: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     stored: list[Any] = dataclasses.field(default_factory=list)  # avals of stored leaves
     specs: list[Spec | None] = dataclasses.field(default_factory=list)
+    # the leaves a stored chunk would keep, recomputing too: what its backward remakes
+    # (memory.py counts them)
+    full: list[Any] = dataclasses.field(default_factory=list)
+    full_specs: list[Spec | None] = dataclasses.field(default_factory=list)
 
 
 def probe(tick: Any, carried0: Any) -> None:
@@ -37,10 +41,6 @@ def probe(tick: Any, carried0: Any) -> None:
     (stored), and which on neither (recomputed)."""
     pieces, res, rest = tick.pieces, tick.res, tick.rest
     res.x_avals = list(carried0)
-    if tick.recompute:
-        res.stored = list(carried0)
-        res.specs = [pieces.spec(v) for v in pieces.p.carried_in]
-        return
     a0 = tick.active[0]
     batch_m = [b[0] for b in tick.batch]
     w0, x_in, b_in = tick.inputs([w[0] for w in tick.weights],
@@ -84,6 +84,11 @@ def probe(tick: Any, carried0: Any) -> None:
             specs.append(sharding_spec(producer, list(producer.outvars).index(out))
                          if producer is not None else None)
     res.kinds, res.stored, res.specs = kinds, stored, specs
+    res.full, res.full_specs = stored, specs
+    if tick.recompute:  # only the chunk's input is kept; the backward runs the forward again
+        res.x_avals = list(carried0)
+        res.stored = list(carried0)
+        res.specs = [pieces.spec(v) for v in pieces.p.carried_in]
 
 
 def taint(jaxpr: Any, tainted: set) -> set:

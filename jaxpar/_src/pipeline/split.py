@@ -38,6 +38,8 @@ class StageSplit:
       how: ``"balanced"`` (chosen here) or ``"markers"`` (the user's stage markers).
       even_cost_s: the slowest chunk of the even split, for comparison.
       fits: whether the memory estimate fits the budget.
+      memory_bytes: the memory estimate per device the budget was checked with, for this
+        split's slots (``memory.split_bytes``; 0 for marked stages: not checked).
     """
 
     counts: tuple[int, ...]
@@ -50,6 +52,7 @@ class StageSplit:
     how: str = "balanced"
     even_cost_s: float = 0.0
     fits: bool = True
+    memory_bytes: float = 0.0
 
     @property
     def chunks(self) -> int:

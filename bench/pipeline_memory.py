@@ -1,0 +1,181 @@
+"""The pipelined plan's memory per device, predicted against ``compiled.memory_analysis()``.
+
+A GPT-style train step with Adam (8 identical blocks, d=16, the shapes of
+``tests/test_pipeline.py``), its blocks' weights stacked by stage (``PipelineCell.stack``), runs
+as a pipeline on 8 devices ``(dp=8/S, pp=S)`` under GPipe, 1F1B and both interleaved (``v = 2``),
+S = 2 and 4, a few micro-batch counts M, ZeRO off and level 1 (the Adam moments split over dp,
+the stage gradients reduce-scattered), stored and recomputed residuals, and row groups on (the
+default on dp) and off (``(dp=1, pp=S)``: no data parallelism, S devices).  Per row, from the
+compiled program: arguments, outputs, temporaries and total (``jaxpar.inspect.memory``: argument
++ output - alias + temp); from the plan: ``plan.memory_bytes`` (the step's model of
+``jaxpar/_src/program_memory.py`` with the loop's memory, ``jaxpar/_src/pipeline/memory.py``, a
+temporary of the loop operator), its ratio to the compiled total, and the loop's parts: residual
+slots, activation and cotangent slots (the peak activation memory a schedule keeps between
+ticks), gradient accumulators beyond the loop's results, one tick's transient.  "without
+loop": the same prediction less the loop's parts (the step's model alone, which sees the loop's
+operands and results only).
+
+    python bench/pipeline_memory.py [--quick]      (bench/run.py runs it too)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+import gpt  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxpar  # noqa: E402
+
+# S, M, schedule, interleave, residuals, ZeRO level, row groups (dp > 1)
+CASES = (
+    (2, 4, "gpipe", False, "store", 0, True),
+    (2, 4, "1f1b", False, "store", 0, True),
+    (2, 8, "gpipe", False, "store", 0, True),
+    (2, 8, "1f1b", False, "store", 0, True),
+    (2, 4, "gpipe", True, "store", 0, True),
+    (2, 4, "1f1b", False, "recompute", 0, True),
+    (2, 4, "1f1b", False, "store", 1, True),
+    (2, 4, "1f1b", False, "store", 0, False),
+    (2, 4, "gpipe", False, "recompute", 0, False),
+    (4, 16, "gpipe", False, "store", 0, True),
+    (4, 16, "1f1b", False, "store", 0, True),
+    (4, 16, "gpipe", True, "store", 0, True),
+    (4, 16, "1f1b", True, "store", 0, True),
+    (4, 16, "gpipe", False, "recompute", 0, True),
+    (4, 16, "1f1b", False, "recompute", 0, True),
+    (4, 16, "1f1b", False, "store", 1, True),
+    (4, 8, "1f1b", True, "store", 1, True),
+    (4, 8, "1f1b", False, "store", 0, False),
+)
+QUICK = (0, 1, 6, 10)  # the rows --quick runs
+
+
+def gpt_case(batch_rows: int = 16):
+    """The GPT of ``tests/test_pipeline.py`` (8 blocks) and a batch of ``batch_rows``."""
+    cfg = gpt.GPTConfig(layers=8, annotate=False, d_model=16, heads=2, ff=32, seq=8, vocab=64)
+    graphdef, params = nnx.split(gpt.GPT(cfg, nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(p, inputs, targets):
+        logits = nnx.merge(graphdef, p)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    batch = np.asarray(next(gpt.batches(gpt.corpus(), batch_rows, cfg.seq)))
+    return loss_fn, params, batch
+
+
+def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zero: int,
+            groups: bool) -> dict:
+    """One row: the Adam train step pipelined so, planned and compiled."""
+    dp = 8 // S if groups else 1
+    loss_fn, params, batch = gpt_case(max(16, M * dp))  # each micro-batch's rows split on dp
+    mesh = jaxpar.make_mesh((dp, S), ("dp", "pp"))
+    opt = optax.adam(1e-3)
+    extra = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
+        "optimizer_level": "level1", "parallel_optimizer_threshold": 0}} if zero else {}
+    with jaxpar.auto_parallel_context(
+            parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=S, micro_batches=M,
+            pipeline_config={"pipeline_scheduler": schedule, "pipeline_interleave": interleave,
+                             "pipeline_residuals": residuals}, **extra):
+        cell = jaxpar.PipelineCell(loss_fn)
+
+        def step(p, o, b):
+            value, grads = jax.value_and_grad(cell)(p, b[:, :-1], b[:, 1:])
+            updates, o = opt.update(grads, o, p)
+            return optax.apply_updates(p, updates), o, value
+
+        p = cell.stack(params, batch[:, :-1], batch[:, 1:])
+        args = (p, opt.init(p), batch)
+        f = jaxpar.parallelize(step, batch_argnums=2)
+        t = time.perf_counter()
+        plan = f.plan(*args)
+        compiled = f.lower(*args).compile()
+        seconds = time.perf_counter() - t
+    mem = jaxpar.inspect.memory(compiled)
+    pipe = plan.pipeline
+    loop = pipe.memory
+    return {"S": S, "M": M, "schedule": schedule + (" v=2" if interleave else ""),
+            "residuals": residuals, "zero": zero, "groups": pipe.gradient_reduction is not None
+            and pipe.gradient_reduction.once, "dp": dp, "split": list(pipe.split.counts),
+            "in_flight": list(pipe.schedule.in_flight()), "rows": int(batch.shape[0]),
+            "argument": mem["argument"], "output": mem["output"], "temp": mem["temp"],
+            "total": mem["total"], "predicted": float(plan.memory_bytes),
+            "without_loop": float(plan.memory_bytes) - loop.total,
+            "residual_slots": loop.residual_slots,
+            "activation_slots": loop.activation_slots + loop.cotangent_slots,
+            "accumulators": loop.accumulators, "tick": loop.tick, "seconds": seconds}
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for i, case in enumerate(CASES):
+        if quick and i not in QUICK:
+            continue
+        out.append(measure(*case))
+        r = out[-1]
+        print(f"pipeline memory {case}: predicted {r['predicted'] / 2**10:.1f} KiB, compiled "
+              f"{r['total'] / 2**10:.1f} KiB ({r['predicted'] / r['total']:.3f}), "
+              f"{r['seconds']:.0f} s", flush=True)
+    return out
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["## Pipeline memory per device: predicted (`plan.memory_bytes`) vs compiled",
+             "",
+             "GPT 8 blocks d=16 seq=8, Adam, stacked weights, mesh (dp, pp=S), rows: the "
+             "batch. KiB per device. Compiled: `jaxpar.inspect.memory` (arguments + outputs + "
+             "temporaries). Loop parts predicted (`plan.pipeline.memory`): residual "
+             "slots, activation + cotangent slots, accumulators beyond the loop's results, "
+             "one tick. Without loop: the prediction less the loop's parts.",
+             "",
+             "| S | M | rows | schedule | residuals | ZeRO | groups | split | args | out | "
+             "temp | total | predicted | pred/total | without loop/total | res slots | "
+             "act+ct slots | acc | tick |",
+             "|---:|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             "---:|---:|"]
+    for r in rows:
+        def k(key: str, r: dict = r) -> str:
+            return f"{r[key] / 2**10:.1f}"
+
+        lines.append(
+            f"| {r['S']} | {r['M']} | {r['rows']} | {r['schedule']} | {r['residuals']} | "
+            f"{r['zero']} | "
+            f"{'on' if r['groups'] else 'off'} | {r['split']} | {k('argument')} | "
+            f"{k('output')} | {k('temp')} | {k('total')} | {k('predicted')} | "
+            f"{r['predicted'] / r['total']:.3f} | {r['without_loop'] / r['total']:.3f} | "
+            f"{k('residual_slots')} | {k('activation_slots')} | {k('accumulators')} | "
+            f"{k('tick')} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    result = {"pipeline_memory": rows("--quick" in argv)}
+    if __name__ == "__main__":
+        out = os.path.join(ROOT, "bench", "results")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "pipeline_memory.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print("\n".join(table(result["pipeline_memory"])))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Per-device memory of a pipeline's tick loop: what it holds beyond its operands and results.
+
+The step's plan treats the loop as one operator (``outer.py``): the stacked weights, the rest,
+the micro-batched batch and the gradients the loop returns are values of the step's graph, laid
+out by its plan and counted by :mod:`jaxpar._src.program_memory` like any other.  What the loop
+allocates inside is not; :func:`loop_memory` models it from the schedule's slot tables
+(``slots.py``) and the shapes ``loop.py`` gives its buffers, per device:
+
+* **residual slots**: ``res_slots + 1`` (the scratch slot idle ticks write) times one chunk's
+  stored residuals of one micro-batch: ``k`` layer slots of the leaves :mod:`residuals` keeps
+  (with ``pipeline_residuals="recompute"`` only the chunk's input).  GPipe holds ``M`` per stage,
+  1F1B ``O(S)``; an interleaved stage ``v`` times as many chunk micro-batches of ``k`` layers.
+* **activation and cotangent slots**: ``slots + 1`` plus the value that arrived this tick
+  (``in_act``, ``in_ct``), each one micro-batch's carried values.
+* **accumulators**: the stage weights' gradients ``[v, (G,) k, ...]`` (``G``, the row groups of
+  ``groups.py``, is split over the row axes: one group per device) and the rest's, per
+  micro-batch and ``[G, ...]`` per group (``ends.py``); the loop's results are their sums, a
+  buffer of the step's own.
+* **one tick**: what a chunk's forward or backward makes and drops within the tick: the
+  chunk's weights taken from the stage's stack, its residuals before they are written to their
+  slot (or, recomputing, the whole chunk's residuals, which the backward remakes), and its
+  weight gradients before they are added to the accumulators.
+
+Before the loop is traced (the split, ``split.py``) a layer's stored residuals are estimated
+from the graph: every operator's result in the layer.  Once it is traced, :func:`record` keeps
+what the probe of :mod:`residuals` found, and :func:`loop_memory` counts those leaves.  The step's
+plan adds the loop's total as a temporary of the loop operator
+(:func:`jaxpar._src.program_memory.lowered_memory`), so ``plan.memory_bytes`` is the step's
+arguments (parameters, optimizer state, split by ZeRO as planned), results, temporaries, and the
+loop.  Against ``compiled.memory_analysis()`` (``bench/pipeline_memory.py``, README): 0.97-1.05
+of the compiled total on 18 GPT rows (GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off and
+level 1, stored and recomputed residuals, row groups on and off); the residual is where XLA
+writes part of a tick's transient in place (over) or copies an accumulator once more (under).
+
+>>> from jaxpar._src.pipeline.schedule import PipelineSchedule
+>>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
+...              stored_bytes=10.0, full_bytes=10.0, carried_bytes=1.0)
+>>> m.residual_slots  # 4 micro-batches in flight + the scratch slot, 3 layers of 10 bytes each
+150.0
+>>> PipelineSchedule.build("1f1b", 2, 4).in_flight(), estimate(
+...     PipelineSchedule.build("1f1b", 2, 4), slots=3, layer_bytes=100.0, stored_bytes=10.0,
+...     full_bytes=10.0, carried_bytes=1.0).residual_slots  # 1F1B: 3 in flight on stage 0
+((3, 1), 120.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxpar._src.pipeline.schedule import PipelineSchedule
+from jaxpar._src.pipeline.slots import SlotTables
+from jaxpar._src.spec import MeshShape, Spec
+
+_TRACED: dict[int, tuple[float, float]] = {}  # program id -> (stored, full) per chunk slot
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopMemory:
+    """Bytes per device the tick loop holds beyond its operands and results.
+
+    Attributes:
+      residual_slots: ``(res_slots + 1) x`` one chunk's stored residuals per micro-batch.
+      activation_slots: ``(act_slots + 2) x`` one micro-batch's carried values.
+      cotangent_slots: ``(ct_slots + 2) x`` the same (their cotangents).
+      accumulators: the gradient accumulators of the stage weights and of the rest.
+      tick: one tick's transient (the chunk's weights, residuals and weight gradients).
+      res_slots, act_slots, ct_slots: the slot counts of the schedule (``slots.py``).
+      slots: layer slots per chunk ``k``; repeats: chunks per stage ``v``.
+      layer_stored: one layer's stored residuals per micro-batch; ``how``: ``"traced"`` (the
+        probe's leaves) or ``"graph"`` (every operator result of a layer, before tracing).
+    """
+
+    residual_slots: float
+    activation_slots: float
+    cotangent_slots: float
+    accumulators: float
+    tick: float
+    res_slots: int
+    act_slots: int
+    ct_slots: int
+    slots: int
+    repeats: int
+    layer_stored: float
+    how: str = "graph"
+
+    @property
+    def total(self) -> float:
+        return (self.residual_slots + self.activation_slots + self.cotangent_slots
+                + self.accumulators + self.tick)
+
+    def explain(self) -> str:
+        """One line for ``plan.pipeline.explain()``."""
+        return (f"loop {_bytes(self.total)}: residual slots {_bytes(self.residual_slots)} "
+                f"({self.res_slots} + 1 scratch x {self.slots} layers x "
+                f"{_bytes(self.layer_stored)}, {self.how}), activation + cotangent slots "
+                f"{_bytes(self.activation_slots + self.cotangent_slots)}, gradient "
+                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}")
+
+
+def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
+             stored_bytes: float, full_bytes: float, carried_bytes: float,
+             recompute: bool = False, extra_grad_bytes: float = 0.0) -> LoopMemory:
+    """The loop's memory for ``slots`` layers per chunk (see the module docstring).
+
+    Args:
+      schedule: the tick table (its slot counts).
+      slots: layer slots per chunk ``k``.
+      layer_bytes: one layer's weights per device (its gradient accumulator is as large).
+      stored_bytes: one layer's stored residuals per micro-batch per device.
+      full_bytes: one layer's whole residual set (what a recomputing backward remakes).
+      carried_bytes: one micro-batch's carried values per device (a chunk's input).
+      recompute: ``pipeline_residuals="recompute"``: a chunk stores its input only.
+      extra_grad_bytes: the gradient accumulators beyond the loop's results (the loop's
+        last carry is its result's buffer, :func:`_extra_grads`).
+    """
+    if not schedule.has_backward:
+        t = SlotTables.of(schedule)
+        return LoopMemory(0.0, (t.act_slots + 2) * carried_bytes, 0.0, 0.0,
+                          slots * layer_bytes, 0, t.act_slots, 0, slots, schedule.repeats,
+                          0.0)
+    t = SlotTables.of(schedule)
+    v, k = schedule.repeats, slots
+    chunk_stored = carried_bytes if recompute else k * stored_bytes
+    # forward: the chunk's residuals, stacked over its k layers, before their slot; backward:
+    # the chunk's weight gradients before the accumulators, recomputing with the residuals
+    # the forward remade; the two never live at once (one runs after the other)
+    forward = k * (full_bytes if not recompute else 0.0)
+    backward = k * layer_bytes + (k * full_bytes if recompute else 0.0)
+    return LoopMemory(
+        residual_slots=(t.res_slots + 1) * chunk_stored,
+        activation_slots=(t.act_slots + 2) * carried_bytes,
+        cotangent_slots=(t.ct_slots + 2) * carried_bytes,
+        accumulators=extra_grad_bytes,
+        tick=max(forward, backward), res_slots=t.res_slots, act_slots=t.act_slots,
+        ct_slots=t.ct_slots, slots=k, repeats=v,
+        layer_stored=carried_bytes / max(k, 1) if recompute else stored_bytes)
+
+
+def split_bytes(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
+                residual_bytes: float, carried_bytes: float, rest_bytes: float,
+                recompute: bool = False) -> float:
+    """What the split's memory check (``split.py``) counts for ``slots`` layers per chunk,
+    before the loop is traced: the stage's stacked weights and their gradients (the loop's
+    operands and results), the rest and its gradients, and :func:`estimate` with a layer's
+    residuals from the graph and the rest's gradient accumulators.  The optimizer's state,
+    the batch and the step's other temporaries are the step's, unknown here: the step's plan
+    counts them (``plan.memory_bytes``).
+
+    >>> s = PipelineSchedule.build("1f1b", 2, 4)
+    >>> need = [split_bytes(s, slots=k, layer_bytes=100.0, residual_bytes=10.0,
+    ...                     carried_bytes=1.0, rest_bytes=0.0) for k in (0, 1, 2)]
+    >>> need[2] - need[1] == need[1] - need[0]  # linear in the slots: slots_within's form
+    True
+    """
+    v = schedule.repeats
+    loop = estimate(schedule, slots=slots, layer_bytes=layer_bytes, stored_bytes=residual_bytes,
+                    full_bytes=residual_bytes, carried_bytes=carried_bytes, recompute=recompute,
+                    extra_grad_bytes=rest_bytes)
+    return 2 * v * slots * layer_bytes + 2 * rest_bytes + loop.total
+
+
+def record(program: Any, stored: Sequence[Any], specs: Sequence[Spec | None],
+           full: Sequence[Any], full_specs: Sequence[Spec | None]) -> None:
+    """Keeps what the loop's probe found (``loop.py``): a chunk's stored residual leaves and,
+    recomputing, the leaves the backward remakes; avals over the mesh without ``"pp"``."""
+    mesh = MeshShape.of(program.mesh)
+    k = max(program.split.slots, 1)
+
+    def per_layer(avals: Sequence[Any], specs: Sequence[Spec | None]) -> float:
+        return sum(_local(a, sp if sp is not None else _rows_spec(program, a), mesh)
+                   for a, sp in zip(avals, specs, strict=True)) / k
+
+    _TRACED[program.id] = (per_layer(stored, specs), per_layer(full, full_specs))
+    while len(_TRACED) > 256:
+        _TRACED.pop(next(iter(_TRACED)))
+
+
+def loop_temporaries(graph: Any) -> list[tuple[float, int]]:
+    """``(bytes, node id)`` of every pipeline loop in a step's graph: its :func:`loop_memory`,
+    a temporary held while the loop operator runs (``program_memory.py``)."""
+    from jaxpar._src.pipeline.outer import loops_in
+
+    return [(loop_memory(program, backward=len(graph.nodes[nid].outputs) > 1).total, nid)
+            for nid, program in loops_in(graph)]
+
+
+def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
+    """The loop of ``program`` (a ``PipelineProgram``; ``backward=False``: its forwards
+    alone): with the probe's residuals once the loop is traced, else the graph's estimate."""
+    mesh = MeshShape.of(program.mesh)
+    split, config = program.split, program.config
+    carried = sum(_local(program.graph.values[v], program.spec(v), mesh)
+                  for v in program.carried_in)
+    recompute = config.residuals == "recompute"
+    traced = _TRACED.get(program.id)
+    stored, full = traced if traced is not None else (split.residual_bytes,
+                                                      split.residual_bytes)
+    if recompute and traced is not None:
+        stored = full
+    m = estimate(program.schedule if backward else program.forward_schedule,
+                 slots=split.slots, layer_bytes=split.layer_bytes, stored_bytes=stored,
+                 full_bytes=full, carried_bytes=carried,
+                 recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh))
+    return dataclasses.replace(m, how="traced" if traced is not None else "graph")
+
+
+def _extra_grads(program: Any, mesh: MeshShape) -> float:
+    """The gradient accumulators that are not the loop's results: a stage weight's where the
+    result is reduce-scattered (ZeRO: the result is split over the row axes, the accumulator
+    and the collective's operand whole), the rest's per micro-batch (their result is their
+    sum over ``"pp"``) and ``[G, ...]`` per row group (one group per device) summed into the
+    rest's result after the loop."""
+    from jaxpar._src.pipeline.groups import strip
+
+    groups, ends = program.groups, program.ends
+    only = set(ends.only) if groups.on and ends.on else set()
+    # the rest's per-micro-batch accumulators: their result is their sum over "pp", another
+    # buffer (a placeholder scalar where only the per-group sum is kept)
+    total = sum(_local(program.graph.values[vid], program.spec(vid), mesh)
+                for i, vid in enumerate(program.rest) if i not in only
+                and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact))
+    if not groups.on:
+        return total
+    v, k = program.config.repeats, program.split.slots
+    for j, _, _ in program.scatters:
+        # the accumulator [v, G, k, ...] (one group per device) and the reduce-scatter's
+        # operand, the group dropped ([v, k, ...], a buffer of its own): both whole
+        w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
+        total += 2 * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
+    for i in ends.grouped if ends.on else ():
+        vid = program.rest[i]
+        total += _local(program.graph.values[vid], strip(program.spec(vid), groups.axes),
+                        mesh)
+    return total
+
+
+def _rows_spec(program: Any, aval: Any) -> Spec | None:
+    """The layout XLA gives a residual leaf no constraint names: its rows split as the
+    chunk's input's where its first dimension after the layer slots (``[k, ...]``: a chunk of
+    more than one slot is a scan) is the row groups (``[G, ...]``, on the row axes) or the
+    micro-batch's rows; else whole."""
+    shape = tuple(aval.shape)
+    lead = 0 if program.split.slots == 1 and not program.split.padded else 1
+    if len(shape) <= lead:
+        return None
+    groups = program.groups
+    first = program.spec(program.carried_in[0]) if program.carried_in else None
+    if groups.on and shape[lead] == groups.size:
+        axes: tuple[str, ...] = tuple(groups.axes)
+    elif shape[lead] == program.micro_size and first is not None and first.ndim:
+        axes = tuple(first.dims[0])
+    else:
+        return None
+    return Spec(((),) * lead + (axes,) + ((),) * (len(shape) - lead - 1))
+
+
+def _local(aval: Any, spec: Spec | None, mesh: MeshShape) -> float:
+    """Bytes per device of an array of ``aval``'s shape and dtype laid out ``spec``
+    (``None``, or a spec of another rank: whole)."""
+    shape = tuple(aval.shape)
+    size = jnp.dtype(aval.dtype).itemsize
+    if spec is not None and spec.ndim == len(shape):
+        shape = spec.shard_shape(shape, mesh)
+    return float(math.prod(shape) * size)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
