@@ -130,6 +130,8 @@ def programs_in(graph: Any) -> list[Any]:
 
 def loops_in(graph: Any) -> list[tuple[int, Any]]:
     """``(node id, program)`` of every pipeline loop of a traced graph this process built."""
+    if not _PROGRAMS:  # no pipeline built in this process: no pass over the graph
+        return []
     out = []
     for node in graph.nodes:
         if node.kind is NodeKind.OP and node.name == "shard_map" and is_pipeline_loop(
