@@ -38,7 +38,9 @@ class Residuals:
 def probe(tick: Any, carried0: Any) -> None:
     """Traces one chunk's forward to learn its pullback's leaves: which are the weights or
     the batch (taken live in the backward), which depend on the activation or the batch
-    (stored), and which on neither (recomputed)."""
+    (stored), and which on neither (recomputed).  Recomputing (the chunk's input stored
+    alone) it traces the chunk all the same: the leaves it would store are what the backward
+    remakes within a tick (``res.full``, counted by ``memory.py``)."""
     pieces, res, rest = tick.pieces, tick.res, tick.rest
     res.x_avals = list(carried0)
     a0 = tick.active[0]
