@@ -111,3 +111,16 @@ def test_the_split_respects_the_memory_budget():
                         hardware=jaxpar.HardwareProfile(memory_per_device=1000))
     assert not hopeless.pipeline.split.fits
     assert "exceeds the budget" in hopeless.pipeline.explain()
+
+
+def test_a_loss_not_differentiated_holds_no_residual_or_cotangent_slots():
+    loss, params, x = _toy(0)
+    with jaxpar.auto_parallel_context(
+            parallel_mode="semi_auto_parallel", mesh=jaxpar.make_mesh((4, 2), ("dp", "pp")),
+            pipeline_stages=2, micro_batches=4):
+        plan = jaxpar.parallelize(jaxpar.PipelineCell(loss, batch_argnums=1),
+                                  batch_argnums=1).plan(params, x)
+    loop = plan.pipeline.memory
+    assert (loop.res_slots, loop.ct_slots, loop.residual_slots, loop.cotangent_slots) == \
+        (0, 0, 0.0, 0.0), loop
+    assert loop.activation_slots > 0 and loop.tick == loop.slots * plan.pipeline.split.layer_bytes

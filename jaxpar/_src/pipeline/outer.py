@@ -164,6 +164,7 @@ def attach_pipeline(plan: Any, graph: Any) -> Any:
 
     from jaxpar._src.pipeline.report import PipelinePlan
 
+    loops = loops_in(graph)
     programs = programs_in(graph)
     if not programs:
         return plan
@@ -171,4 +172,6 @@ def attach_pipeline(plan: Any, graph: Any) -> Any:
     if len(programs) > 1:
         notes += (f"{len(programs)} pipelines run in this step; plan.pipeline describes the "
                   f"first",)
-    return dataclasses.replace(plan, pipeline=PipelinePlan.of(programs[0]), notes=notes)
+    backward = any(len(graph.nodes[nid].outputs) > 1 for nid, p in loops if p is programs[0])
+    return dataclasses.replace(plan, pipeline=PipelinePlan.of(programs[0], backward=backward),
+                               notes=notes)

@@ -83,7 +83,8 @@ class PipelinePlan:
     memory: LoopMemory | None = None
 
     @classmethod
-    def of(cls, program: Any) -> PipelinePlan:
+    def of(cls, program: Any, *, backward: bool = True) -> PipelinePlan:
+        """The plan of ``program``'s loop (``backward=False``: its forwards alone)."""
         split, sched, hw = program.split, program.schedule, program.hardware
         from jaxpar._src.spec import MeshShape
 
@@ -98,7 +99,8 @@ class PipelinePlan:
                    program.sub_how,
                    len(ls.layers), ls.period, ls.marked, len(program.pro_nodes),
                    len(program.epi_nodes), len(program.stacked), program.act_bytes,
-                   program.micro_size, GradientReduction.of(program), loop_memory(program))
+                   program.micro_size, GradientReduction.of(program),
+                   loop_memory(program, backward=backward))
 
     @property
     def bubble_fraction(self) -> float:
