@@ -292,3 +292,26 @@ def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
     assert "prologue: per micro-batch: reduce_sum reduces over the rows" in red.ends_why, red
     assert "epilogue: runs per group up to the loss's reduction" in pipe.explain()
     assert red.ends_bytes == D * V * 4  # the head's only
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_head_summed_per_group_compiles_and_equals_one_device(schedule):
+    """The epilogue's per-group head gradient is made inside the tick's ``lax.cond`` whose
+    other branch returns the accumulators' zeros: both must be laid out alike, or XLA refuses
+    the program ("Inconsistent conditional sharding among instructions", found on a head wider
+    than the layers)."""
+    def loss(p, x):
+        w, h = p
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+        return jnp.mean((x @ h) ** 2)
+
+    p = (jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5,
+         jax.random.normal(jax.random.key(2), (8, 64)) * 0.3)
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, p, x, schedule)
+    assert pipe.gradient_reduction.ends_bytes == 8 * 64 * 4  # the head, summed per group
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(p, x)  # rows never meet
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)

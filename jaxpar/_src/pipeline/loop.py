@@ -432,7 +432,7 @@ class _Tick:
         loss, pull = jax.vjp(f, ar.floats(self.rest), rg, list(y), ar.floats(batch_m))
         g_r, g_rg, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
         return (loss, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
-                ar.dense(g_rg, rg), ar.dense(ct_b, batch_m))
+                self._group_grads(ar.dense(g_rg, rg)), ar.dense(ct_b, batch_m))
 
     def _no_epilogue(self, y: list) -> tuple:
         ct_y = self._carried([ar.filled(v, self.fill) for v in y])
@@ -470,6 +470,14 @@ class _Tick:
         for (i, _), v in zip(cuts, own, strict=True):
             out[i] = v
         return out
+
+    def _group_grads(self, gs: list) -> list:
+        """Per-group gradients laid out as their accumulators.  Made inside a ``lax.cond``
+        whose other branch returns :meth:`rest_group_zeros`: XLA refuses branches whose results
+        are laid out differently ("Inconsistent conditional sharding"), as an unconstrained
+        gradient of a weight the group only reads (a zero broadcast) would be."""
+        return [ar.constrain(self.pieces, g, sp)
+                for g, sp in zip(gs, self.rest_g_specs, strict=True)]
 
     def _add_groups(self, acc: list, gs: list) -> list:
         return [ar.constrain(self.pieces, a + g.astype(a.dtype), sp)
@@ -564,7 +572,8 @@ class _Tick:
         rg = self._rest_groups()
         _, pull = jax.vjp(f, ar.floats(self.rest), rg, ar.floats(batch_m))
         g_r, g_rg, b2 = pull(ar.floats_like(ct_x))
-        return ar.dense(g_r, self.rest), ar.dense(g_rg, rg), ar.dense(b2, batch_m)
+        return (ar.dense(g_r, self.rest), self._group_grads(ar.dense(g_rg, rg)),
+                ar.dense(b2, batch_m))
 
     def _chunk_backward(self, w_c: list, act_c: Any, stored: list, ct: list, batch_m: list
                         ) -> tuple:
@@ -581,7 +590,7 @@ class _Tick:
         g_w, ct_x, g_r, ct_b = pull(ar.floats_like(ct_in))
         g_w = ar.dense(g_w, w_in)
         n_w = len(w_c)
-        g_rg = g_w[n_w:] if len(g_w) > n_w else self.rest_group_zeros()
+        g_rg = self._group_grads(g_w[n_w:]) if len(g_w) > n_w else self.rest_group_zeros()
         g_w = g_w[:n_w]
         if grouped:
             g_w = [self._unregroup(g, self.w_cuts[j]) if j in self.w_cuts else g
