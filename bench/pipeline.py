@@ -133,8 +133,9 @@ def rows(quick: bool = False) -> list[dict]:
                        grad_reduce_once=red.once,
                        grad_reduce_predicted=red.step_bytes,
                        predicted_after_loop_bytes=red.after_loop_bytes,
-                       predicted_stacked_bytes=red.after_loop_bytes - red.ends_bytes,
-                       predicted_ends_bytes=red.ends_bytes,
+                       predicted_stacked_bytes=red.after_loop_bytes - red.ends_bytes
+                       + red.ends_scattered_bytes,  # all-reduced (ZeRO: not scattered)
+                       predicted_ends_bytes=red.ends_bytes - red.ends_scattered_bytes,
                        predicted_in_loop_bytes=0.0 if red.once else red.step_bytes,
                        matches=red.after_loop_bytes == row["dp_reduce_after_loop_bytes"])
             out.append(row)

@@ -315,3 +315,160 @@ def test_a_head_summed_per_group_compiles_and_equals_one_device(schedule):
     np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
     for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def _lm_train(loss, p, tokens, labels, *, schedule, level, reference=None):
+    """One Adam step of the pipelined LM on (dp, pp) = (4, 2) with the parallel optimizer at
+    ``level`` (every array split, threshold 0), beside the same step of ``reference`` (default:
+    the loss) on one device."""
+    import optax
+
+    tx = optax.adam(1e-2)
+
+    def train(cell):
+        def step(p, s, tokens, labels):
+            value, grads = jax.value_and_grad(cell)(p, tokens, labels)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+        return step
+
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    zero = {} if level is None else {"enable_parallel_optimizer": True,
+                                     "parallel_optimizer_config": {
+                                         "optimizer_level": level,
+                                         "parallel_optimizer_threshold": 0}}
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=4,
+                                      pipeline_config={"pipeline_scheduler": schedule}, **zero):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=(1, 2), bubble_fill=NAN)
+        step = jaxpar.parallelize(train(cell), batch_argnums=(2, 3))
+        state = tx.init(p)
+        new_p, _, value = step(p, state, tokens, labels)
+        colls = jaxpar.inspect.collectives(step.lower(p, state, tokens, labels).compile())
+        pipe = step.plan(p, state, tokens, labels).pipeline
+    ref_p, _, ref_value = jax.jit(train(reference or loss))(p, tx.init(p), tokens, labels)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    for k in ref_p:
+        np.testing.assert_allclose(new_p[k], ref_p[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    return colls, pipe, cell.last_program
+
+
+# (schedule, optimizer level, rest weights reduce-scattered): emb [24, 8] and head [8, 24]
+# (dimension 0 over dp, as their moments are over dp+pp), gate and scale ([1, 1, 8] in the
+# loop: their first dimension longer than 1); pos [4, 8] is not (4 rows do not split over the
+# 8 devices its moments would need); without the parallel optimizer (the tests above) every
+# one is all-reduced
+@pytest.mark.parametrize("schedule,level,scattered", [
+    ("1f1b", "level1", {"emb": 0, "gate": 2, "head": 0, "scale": 2}),
+    ("gpipe", "level2", {"emb": 0, "gate": 2, "head": 0, "scale": 2}),
+])
+def test_zero_reduce_scatters_the_ends_gradients_after_the_loop(schedule, level, scattered):
+    loss, p, tokens, labels = _lm()
+    colls, pipe, program = _lm_train(loss, p, tokens, labels, schedule=schedule, level=level)
+    red = pipe.gradient_reduction
+    names = {i: k for k, i in _rest_names(program, p).items()}
+    assert {names[i]: dim for i, dim, _ in program.rest_scatters} == scattered
+    assert all(axes == ("dp",) for _, _, axes in program.rest_scatters)
+    inside, after = _in_loop(colls)
+    assert inside and all(r.kind == "all-reduce" and r.shapes == ("f32[]",) for r in inside), \
+        colls.table()
+    # after the loop: what is split as the optimizer state is reduce-scattered, the rest
+    # all-reduced, each as many bytes per device as predicted
+    rs = sum(r.nbytes * r.count for r in after if r.kind == "reduce-scatter")
+    ar = sum(r.nbytes * r.count for r in after if r.kind == "all-reduce")
+    assert (rs, ar) == (red.after_loop_scattered_bytes, red.after_loop_bytes), colls.table()
+    # emb and head whole per device (24 x 8 floats each), gate and scale 8 floats
+    assert red.ends_scattered_bytes == sum({"emb": V * D, "head": D * V, "gate": D,
+                                            "scale": D}[k] for k in scattered) * 4
+    assert ("reduce-scatter" in red.ends_why) == bool(scattered)
+
+
+def test_a_weight_also_read_whole_adds_its_reduced_part_to_the_scattered_one():
+    # the gate scales the embedding in a prologue that mixes rows (read whole, reduced per
+    # micro-batch) and every layer reads it (summed per group, reduce-scattered after the
+    # loop): the two parts add up in the scattered layout
+    def loss(p, tokens, labels):
+        gate = p["gate"][None, None]
+        x = p["emb"][tokens] * gate
+        x = x - jnp.mean(x, axis=0)  # a batch statistic in the prologue
+        for i in range(4):
+            x = x + jnp.tanh(x @ p["w"][i]) * gate
+        logp = jax.nn.log_softmax(x @ p["head"])
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    def reference(p, tokens, labels):  # the statistic is over a micro-batch's rows
+        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
+
+    _, p, tokens, labels = _lm()
+    p = {k: p[k] for k in ("emb", "gate", "head", "w")}
+    colls, pipe, program = _lm_train(loss, p, tokens, labels, schedule="1f1b", level="level1",
+                                     reference=reference)
+    names = {i: k for k, i in _rest_names(program, p).items()}
+    gate = _rest_names(program, p)["gate"]
+    assert gate in program.ends.grouped and gate not in program.ends.only
+    assert {names[i] for i, _, _ in program.rest_scatters} == {"gate", "head"}
+    red = pipe.gradient_reduction
+    _, after = _in_loop(colls)
+    assert sum(r.nbytes * r.count for r in after if r.kind == "reduce-scatter") == \
+        red.after_loop_scattered_bytes == (2 * D * D + D + D * V) * 4, colls.table()
+    # (a stage's 2 layers' [8, 8], the gate's [1, 1, 8] and the head's [8, 24], whole)
+
+
+def _rest_names(program, p):
+    """The rest index of each of ``p``'s arrays the loop reads (itself or broadcast)."""
+    graph, keys = program.graph, sorted(p)  # a dict's leaves, in key order, come first
+    out = {}
+    for i, v in enumerate(program.rest):
+        node = graph.nodes[graph.values[v].producer]
+        if node.name == "broadcast_in_dim":
+            node = graph.nodes[graph.values[node.inputs[0]].producer]
+        if node.id in graph.inputs[:len(keys)]:
+            out[keys[graph.inputs.index(node.id)]] = i
+    return out
+
+
+def test_a_shard_group_smaller_than_the_row_axes_keeps_the_all_reduce():
+    # rows over dp+tp, optimizer_weight_shard_size=2: the moments split over tp only.  A
+    # reduce-scatter over tp alone would leave the dp groups unsummed (the update was 2x the
+    # learning rate off): the gradients are all-reduced over dp+tp and the update slices them
+    import optax
+
+    def loss(w, x):
+        for i in range(8):
+            x = jnp.tanh(x @ w[i])
+        return jnp.mean(x ** 2)
+
+    tx = optax.adam(1e-2)
+
+    def train(cell):
+        def step(p, s, x):
+            value, grads = jax.value_and_grad(cell)(p, x)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+        return step
+
+    keys = jax.random.split(jax.random.key(0), 9)
+    w = [jax.random.normal(k, (16, 16)) * 0.3 for k in keys[:8]]
+    x = jax.random.normal(keys[8], (32, 16))
+    mesh = jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp"))
+    with jaxpar.auto_parallel_context(
+            parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=2, micro_batches=4,
+            enable_parallel_optimizer=True, parallel_optimizer_config={
+                "optimizer_level": "level1", "parallel_optimizer_threshold": 0,
+                "optimizer_weight_shard_size": 2}):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=1, bubble_fill=NAN)
+        sw = cell.stack(w, x)
+        step = jaxpar.parallelize(train(cell), batch_argnums=2)
+        new_sw, state, value = step(sw, tx.init(sw), x)
+        colls = jaxpar.inspect.collectives(step.lower(sw, tx.init(sw), x).compile())
+        red = step.plan(sw, tx.init(sw), x).pipeline.gradient_reduction
+    ref_w, _, ref_value = jax.jit(train(loss))(w, tx.init(w), x)  # one device
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(new_sw.unstack(), ref_w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert red.axes == ("dp", "tp") and red.once and red.scattered_bytes == 0, red
+    assert state[0].mu.stacked[0].sharding.spec == P("pp", None, "tp")
+    after = [r for r in colls if r.computation.startswith("main") and "dp" in r.axes
+             and any(s.endswith("16,16]") for s in r.shapes)]
+    assert [(r.kind, r.axes, r.nbytes) for r in after] == [
+        ("all-reduce", ("dp", "tp"), red.after_loop_bytes)], colls.table()

@@ -227,6 +227,7 @@ def _pipelined(program: PipelineProgram, fill: float) -> Callable:
     batch_avals: list[Any] = []
     # ZeRO: the layout of a gradient the loop reduce-scatters (program.scatters)
     split = {j: program.grad_spec(j) for j, _, _ in program.scatters}
+    split_rest = {i: program.rest_grad_spec(i) for i, _, _ in program.rest_scatters}
 
     @jax.custom_vjp
     def loop(weights: list, rest: list, batch: list) -> Any:
@@ -257,7 +258,8 @@ def _pipelined(program: PipelineProgram, fill: float) -> Callable:
                               _stack(program, [env[v] for v in program.stacked_values(j)]),
                               program.weight_spec(j), program, split.get(j))
                    for j in range(len(program.stacked))]
-        rest = [_constrain(env[v], program.spec(v), program) for v in program.rest]
+        rest = [_constrain(env[v], program.spec(v), program, split_rest.get(i))
+                for i, v in enumerate(program.rest)]
         batch = [_constrain(_micro(env[v], M), program.batch_spec(j), program)
                  for j, v in enumerate(program.batch)]
         batch_avals[:] = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch]

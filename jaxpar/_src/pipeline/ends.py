@@ -33,8 +33,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar._src.graph import Const, OpGraph
-from jaxpar._src.pipeline.groups import MIXED, RowDim, row_step
+from jaxpar._src.pipeline.groups import MIXED, RowDim, row_step, strip
 from jaxpar._src.pipeline.layers import members
+from jaxpar._src.spec import MeshShape, Spec
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,18 +125,59 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
         return EndGroups(pro_on, False, pro_cuts=pro_cuts, grouped=tuple(sorted(grouped)),
                          layers=tuple(sorted(layers)), only=_only(grouped, whole, where),
                          why_prologue=why_pro, why_epilogue=f"{per}: {epi}")
-    head, tail, bound, sliced, late = epi
-    whole |= set(_reads(graph, tail))
-    epi_cuts = tuple((where[v], e) for v, (e, _) in sliced.items())
-    grouped |= {where[v] for v in _reads(graph, head) if v in where and floats[where[v]]
-                and v not in sliced}
-    note = (f"; {len(late)} weight(s) it reads after mixing rows per micro-batch"
-            if late else "")
-    return EndGroups(pro_on, True, head, tail, bound, pro_cuts, epi_cuts,
+    whole |= set(_reads(graph, epi.tail))
+    epi_cuts = tuple((where[v], e) for v, (e, _) in epi.sliced.items())
+    grouped |= {where[v] for v in _reads(graph, epi.head) if v in where and floats[where[v]]
+                and v not in epi.sliced}
+    note = (f"; {len(epi.late)} weight(s) it reads after mixing rows per micro-batch"
+            if epi.late else "")
+    return EndGroups(pro_on, True, epi.head, epi.tail, epi.bound, pro_cuts, epi_cuts,
                      tuple(sorted(grouped)), tuple(sorted(layers)),
                      _only(grouped, whole, where), why_pro,
                      f"runs per group up to the loss's reduction over the rows (its last "
-                     f"{len(tail)} operators on the whole micro-batch){note}")
+                     f"{len(epi.tail)} operators on the whole micro-batch){note}")
+
+
+def end_scatters(ends: EndGroups, axes: tuple[str, ...], optimizer: Any,
+                 weights: Sequence[Any], specs: Sequence[Spec], mesh: MeshShape
+                 ) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+    """With the parallel optimizer on (ZeRO levels 1-3), the grouped rest weights whose
+    gradients the loop sums over the row groups by reduce-scatter: ``(rest index, dim,
+    axes)``, dimension ``dim`` split further over the row axes ``axes``, as the stacked
+    weights' are (:func:`groups.gradient_scatters`), so no device holds the whole gradient
+    after the loop.
+
+    The step's plan splits such a weight's moments on dimension 0 over the data-parallel axes
+    (:func:`jaxpar._src.optimizer_parallel.optimizer_pins`: by default the batch's, every mesh
+    axis in mesh order, the weight itself unpinned): a gradient split over ``axes`` is only
+    worth it where that split refines it (its axes begin with ``axes``), so each device's
+    slice of the moments lies in its slice of the gradient and the update reads it with no
+    more communication.  ``dim`` is the first dimension longer than 1: a rest value made
+    from the weight by adding leading dimensions of 1 (``p[None, None]``) is split as the
+    weight's dimension 0.  Elsewhere (too small, indivisible, a weight already split on that
+    dimension) the gradient is all-reduced as before.  ``weights``: the rest's avals,
+    ``specs``: their layouts for one micro-batch.
+
+    >>> import jax, jaxpar
+    >>> e = EndGroups(epilogue=True, grouped=(0, 1))
+    >>> opt = jaxpar.OptimizerParallel(level=1, threshold_kb=0)
+    >>> w = [jax.ShapeDtypeStruct((24, 8), "float32"), jax.ShapeDtypeStruct((4, 8), "float32")]
+    >>> end_scatters(e, ("dp",), opt, w, [Spec(((), ()))] * 2, MeshShape(("dp", "pp"), (4, 2)))
+    ((0, 0, ('dp',)),)
+    """
+    if not ends.on or optimizer is None or optimizer.level < 1 or not axes:
+        return ()
+    out = []
+    for i in ends.grouped:
+        shape, spec = tuple(weights[i].shape), strip(specs[i], axes)
+        dim = next((d for d, n in enumerate(shape) if n > 1), None)
+        if dim is None or spec.dims[dim]:
+            continue
+        split = optimizer.split_axes(shape[dim:], weights[i].dtype,
+                                     Spec.replicated(len(shape) - dim), mesh.names, mesh)
+        if tuple(split[:len(axes)]) == tuple(axes):
+            out.append((i, dim, tuple(axes)))
+    return tuple(out)
 
 
 def _only(grouped: set[int], whole: set[int], where: dict[int, int]) -> tuple[int, ...]:
@@ -143,9 +185,31 @@ def _only(grouped: set[int], whole: set[int], where: dict[int, int]) -> tuple[in
     return tuple(sorted(grouped - {where[v] for v in whole if v in where}))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """The epilogue split at the loss's reduction over the rows (:func:`_epilogue`).
+
+    Attributes:
+      head: the top-level nodes run per group, in order.
+      tail: those run on the whole micro-batch (the loss's reduction and what follows it,
+        with the row-free head values they read recomputed), in order.
+      bound: ``(value id, row dimension)`` of the head's values the tail reads.
+      sliced: the values from outside stretched over the rows that the head reads a group's
+        slice of (value id -> row dimension).
+      late: rest indices of the weights the tail reads after mixing rows (differentiated on
+        the whole micro-batch).
+    """
+
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
+    bound: tuple[RowDim, ...]
+    sliced: dict[int, RowDim]
+    late: tuple[int, ...]
+
+
 def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],
               rows: int, size: int, where: dict[int, int], floats: Sequence[bool], out: Any
-              ) -> str | tuple:
+              ) -> str | _Split:
     """The epilogue's head, tail, boundary and sliced values, or why it is not grouped."""
     if isinstance(out, Const):
         return "the loss is a constant"
@@ -177,9 +241,9 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
                     if v in made and made[v] not in tail_set})
     bad = [v for v in bound if state.get(v) in (None, MIXED)]
     assert not bad, bad  # the closure above moved the row-free ones into the tail
-    return head, tail, tuple((v, state[v][0]) for v in bound), {
-        v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)}, \
-        tuple(sorted({where[v] for v, _ in late}))
+    return _Split(head, tail, tuple((v, state[v][0]) for v in bound),
+                  {v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)},
+                  tuple(sorted({where[v] for v, _ in late})))
 
 
 def _reads_rows(graph: OpGraph, top: int, state: dict[int, RowDim]) -> bool:

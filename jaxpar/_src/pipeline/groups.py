@@ -195,8 +195,9 @@ def gradient_scatters(groups: RowGroups, optimizer: Any, weights: Sequence[Any],
     of ``[S, v, k, ...]`` split further over ``axes`` (row axes), where
     :func:`jaxpar._src.optimizer_parallel.optimizer_pins` splits the weight's moments, so the
     update reads its slice and no device holds the whole gradient (data parallel's
-    :mod:`jaxpar._src.scatter`).  ``weights``: one layer's weights (avals), ``specs``: their
-    stacked layouts, ``grid``: ``(S, v, k)``.
+    :mod:`jaxpar._src.scatter`).  ``axes`` are all the row axes: a shard group of fewer
+    (``optimizer_weight_shard_size``) keeps the all-reduce.  ``weights``: one layer's weights
+    (avals), ``specs``: their stacked layouts, ``grid``: ``(S, v, k)``.
 
     >>> import jax, jaxpar
     >>> g = RowGroups(("dp",), 4, object(), None, (), "")  # grouped over dp
@@ -221,7 +222,9 @@ def gradient_scatters(groups: RowGroups, optimizer: Any, weights: Sequence[Any],
         stacked = jax.ShapeDtypeStruct(tuple(grid) + tuple(w.shape), w.dtype)
         dim, axes = _stacked_dim(optimizer, stacked, strip(spec, groups.axes), groups.axes,
                                  mesh)
-        if axes:
+        # a shard group smaller than the row axes (optimizer_weight_shard_size) would leave
+        # the other row groups unsummed: all-reduce, and the update takes its slice
+        if axes and tuple(axes) == tuple(groups.axes):
             out.append((j, dim, axes))
     return tuple(out)
 

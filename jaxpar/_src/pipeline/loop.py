@@ -367,6 +367,7 @@ class _Tick:
         mesh = self.pieces.mesh()
         dims = list(spec.dims[:1] + spec.dims[2:])
         dims[dim - 1] = dims[dim - 1] + axes
+        assert tuple(spec.dims[1]) == tuple(axes), (spec, axes)  # every row group summed
 
         def local(x: Any) -> Any:
             return jax.lax.psum_scatter(x[:, 0], axes, scatter_dimension=dim - 1, tiled=True)
@@ -500,9 +501,17 @@ class _Tick:
         the groups (the one reduction over the row axes a step makes for them)."""
         out = list(g_rest)
         only = set(self.ends.only) if self.ends is not None else set()
-        for i, g in zip(self._grouped(), g_rest_g, strict=True):
-            total = jnp.sum(g, axis=0)
-            out[i] = total if i in only else out[i] + total
+        scatters = {i: (dim, axes) for i, dim, axes in self.program.rest_scatters}
+        for i, g, sp in zip(self._grouped(), g_rest_g, self.rest_g_specs, strict=True):
+            if i in scatters:  # ZeRO: each device keeps its slice of one dimension
+                dim, axes = scatters[i]  # [1, G, ...] is [S, v, ...]'s shape to _scatter
+                total = self._scatter(g[None], Spec(((),) + sp.dims), dim + 2, axes)[0]
+                split = self.program.rest_grad_spec(i)
+                out[i] = total if i in only else ar.constrain(self.pieces, out[i] + total,
+                                                              split)
+            else:
+                total = jnp.sum(g, axis=0)
+                out[i] = total if i in only else out[i] + total
         return out
 
     # -- backward -----------------------------------------------------------------------------

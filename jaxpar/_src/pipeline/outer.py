@@ -62,7 +62,8 @@ def loop_specs(program: Any, *, backward: bool) -> tuple[list[Spec], list[Spec]]
     batch = [program.batch_spec(j) for j in range(len(program.batch))]
     ins = w + rest + batch
     grads = [program.grad_spec(j) for j in range(len(program.stacked))]
-    outs = [Spec(())] + (grads + rest + batch if backward else [])
+    g_rest = [program.rest_grad_spec(i) for i in range(len(program.rest))]
+    outs = [Spec(())] + (grads + g_rest + batch if backward else [])
     return ins, outs
 
 

@@ -29,8 +29,8 @@ from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
-from jaxpar._src.pipeline.ends import EndGroups, end_groups
-from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups
+from jaxpar._src.pipeline.ends import EndGroups, end_groups, end_scatters
+from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups, strip
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
 from jaxpar._src.pipeline.memory import split_bytes
 from jaxpar._src.pipeline.schedule import PipelineSchedule
@@ -83,6 +83,9 @@ class PipelineProgram:
     scatters: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
     # the prologue's backward and the epilogue per row group too (ends.py), or why not
     ends: EndGroups = EndGroups()
+    # ZeRO: (rest index, dimension, axes) of the ends' gradients summed over the row groups
+    # by reduce-scatter, that dimension split further over the row axes (ends.end_scatters)
+    rest_scatters: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
 
     @property
     def rep_layer(self) -> Layer:
@@ -106,6 +109,18 @@ class PipelineProgram:
             if i == j:
                 dims[dim] = dims[dim] + axes
         return Spec(tuple(dims))
+
+    def rest_grad_spec(self, i: int) -> Spec:
+        """The gradient layout of rest weight ``i`` (a rest index): its layout, or where the
+        loop reduce-scatters it (``rest_scatters``, ZeRO) whole over the row axes but for
+        the dimension it splits over them."""
+        spec = self.spec(self.rest[i])
+        for k, dim, axes in self.rest_scatters:
+            if k == i:
+                dims = list(strip(spec, self.groups.axes).dims)
+                dims[dim] = dims[dim] + axes
+                return Spec(tuple(dims))
+        return spec
 
     def stacked_values(self, j: int) -> tuple[int, ...]:
         """Stacked weight ``j``'s value in every layer."""
@@ -224,12 +239,17 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                                  [Spec(((AXIS,), (), ()) + plan.decisions[v.producer]
                                        .out_specs[v.index].dims) for v in stacked_avals],
                                  MeshShape.of(mesh))
+    rest_scatters = end_scatters(ends, groups.axes, optimizer,
+                                 [graph.values[v] for v in parts["rest"]],
+                                 [plan.decisions[graph.values[v].producer]
+                                  .out_specs[graph.values[v].index] for v in parts["rest"]],
+                                 MeshShape.of(mesh))
     return PipelineProgram(
         next(_ids), config, mesh, plan, how, graph, layers, rep, split, schedule, forward,
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
-        costs["act_bytes"], groups, scatters, ends)
+        costs["act_bytes"], groups, scatters, ends, rest_scatters)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups

@@ -169,9 +169,12 @@ class GradientReduction:
       scattered_bytes: of ``run_bytes``, what is reduce-scattered, not all-reduced (the
         parallel optimizer on: split as the weights' optimizer state, ``program.scatters``).
       ends_bytes: per device, the gradients of the weights the prologue and epilogue read
-        (embedding, head, final norm) that a step all-reduces once after the loop, summed per
+        (embedding, head, final norm) that a step reduces once after the loop, summed per
         row group in it (``ends.py``); ``0`` where they are reduced per micro-batch.
       ends_why: how the prologue's and the epilogue's gradients are reduced, and why.
+      ends_scattered_bytes: of ``ends_bytes``, what is reduce-scattered, not all-reduced
+        (the parallel optimizer on: one dimension split over the row axes,
+        ``program.rest_scatters``).
     """
 
     axes: tuple[str, ...]
@@ -182,6 +185,7 @@ class GradientReduction:
     scattered_bytes: float = 0.0
     ends_bytes: float = 0.0
     ends_why: str = ""
+    ends_scattered_bytes: float = 0.0
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -192,8 +196,16 @@ class GradientReduction:
     @property
     def after_loop_bytes(self) -> float:
         """Per device, what a step all-reduces over ``axes`` after the loop: the stacked
-        weights' gradients not reduce-scattered (when ``once``) and ``ends_bytes``."""
-        return (self.run_bytes - self.scattered_bytes if self.once else 0.0) + self.ends_bytes
+        weights' gradients not reduce-scattered (when ``once``) and the ends' not
+        reduce-scattered."""
+        return (self.run_bytes - self.scattered_bytes if self.once else 0.0) + \
+            self.ends_bytes - self.ends_scattered_bytes
+
+    @property
+    def after_loop_scattered_bytes(self) -> float:
+        """Per device, what a step reduce-scatters over ``axes`` after the loop (the
+        collectives' operands): the stacked weights' and the ends' split gradients."""
+        return (self.scattered_bytes if self.once else 0.0) + self.ends_scattered_bytes
 
     @property
     def step_bytes(self) -> float:
@@ -224,13 +236,14 @@ class GradientReduction:
             layer += nbytes
             scattered += nbytes if j in split else 0.0
         k, repeats = program.split.slots, program.config.repeats
-        ends_bytes, ends_why = _ends(program, mesh)
+        ends_bytes, ends_scattered, ends_why = _ends(program, mesh)
         if groups.on:
             return cls(groups.axes, True, 1, repeats * k * layer, groups.why,
-                       repeats * k * scattered, ends_bytes, ends_why)
+                       repeats * k * scattered, ends_bytes, ends_why, ends_scattered)
         ticks = sum(stop - start for start, stop, _, has_b in
                     SlotTables.of(program.schedule).phases() if has_b)
-        return cls(groups.axes, False, ticks * k, layer, groups.why, 0.0, ends_bytes, ends_why)
+        return cls(groups.axes, False, ticks * k, layer, groups.why, 0.0, ends_bytes, ends_why,
+                   ends_scattered)
 
     def explain(self) -> str:
         axes = "+".join(self.axes)
@@ -248,29 +261,37 @@ class GradientReduction:
         return line
 
 
-def _ends(program: Any, mesh: Any) -> tuple[float, str]:
+def _ends(program: Any, mesh: Any) -> tuple[float, float, str]:
     """The prologue's and epilogue's part of :class:`GradientReduction`: bytes summed per row
-    group and all-reduced once after the loop, and one line saying how and why."""
+    group and reduced once after the loop, of which reduce-scattered, and one line saying how
+    and why."""
     from jaxpar._src.pipeline.groups import strip
 
     ends, axes = program.ends, program.groups.axes
-    total = 0.0
+    split = {i for i, _, _ in program.rest_scatters}
+    total = scattered = 0.0
     for i in ends.grouped:
         v = program.graph.values[program.rest[i]]
         if not _from_inputs(program.graph, v.id):
             continue  # a constant's gradient is dead: XLA drops it
         spec = strip(program.spec(v.id), axes)
-        total += math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
+        nbytes = math.prod(spec.shard_shape(v.shape, mesh)) * v.nbytes / max(
             math.prod(v.shape), 1)
+        total += nbytes
+        scattered += nbytes if i in split else 0.0
     if ends.on:
-        how = (f"1 all-reduce of {_bytes(total)} over {'+'.join(axes)} per device after the "
+        once = " + ".join(
+            ([f"reduce-scatter (split as the optimizer state) of {_bytes(scattered)}"]
+             if scattered else []) +
+            ([f"all-reduce of {_bytes(total - scattered)}"] if total > scattered else []))
+        how = (f"1 {once or 'all-reduce of 0 B'} over {'+'.join(axes)} per device after the "
                f"loop for those summed per group")
     elif ends.prologue and ends.epilogue:
         how = "none summed per group (no weight read there)"
     else:
         how = "inside the loop, per micro-batch"
-    return total, (f"prologue/epilogue weight gradients: {how}; prologue: {ends.why_prologue}; "
-                   f"epilogue: {ends.why_epilogue}")
+    return total, scattered, (f"prologue/epilogue weight gradients: {how}; prologue: "
+                              f"{ends.why_prologue}; epilogue: {ends.why_epilogue}")
 
 
 def _from_inputs(graph: Any, vid: int) -> bool:
