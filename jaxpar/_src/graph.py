@@ -238,7 +238,7 @@ class OpGraph:
 
     def searchable(self) -> Iterator[Node]:
         """Nodes that get a strategy (everything but control nodes)."""
-        return (n for n in self.nodes if n.kind is not NodeKind.CONTROL)
+        return iter(self._searchable)
 
     def operand_shape(self, operand: Operand) -> tuple[int, ...]:
         return operand.shape if isinstance(operand, Const) else self.values[operand].shape
@@ -270,6 +270,10 @@ class OpGraph:
                     v = self.values[operand]
                     out.append(Edge(v.producer, v.index, node.id, i))
         return tuple(out)
+
+    @functools.cached_property
+    def _searchable(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.kind is not NodeKind.CONTROL)
 
     @functools.cached_property
     def _priced(self) -> tuple[Edge, ...]:

@@ -90,7 +90,7 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 redist = 0.0
                 for u in adjacency[r]:
                     if u in decided:
-                        redist += float(edge_rows(problem, r, u)[np.ix_(cls, alive[u])].min())
+                        redist += float(edge_rows(problem, r, u)[cls[:, None], alive[u]].min())
                 score = own + redist
                 if best_score is None or better(score, best_score):
                     best_cls, best_score = cls, score
