@@ -144,7 +144,9 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     node = graph.nodes[member]
     if space.rule(member).category is not OpCategory.CONTRACTION:
         return np.zeros(len(problem.cands[r]))
-    key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
+    # the candidate list by identity (hashing it hashes every strategy: issue 14, 96 layers);
+    # the lists outlive ``cache`` (the problem holds them), so their ids stay theirs
+    key = (id(problem.cands[r]), node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
     if cache is not None and key in cache:
         return cache[key]
