@@ -281,7 +281,7 @@ def _read_edges(graph: OpGraph) -> tuple[tuple[int, int, int, int, int], ...]:
     if found is None:
         nodes = graph.nodes
         found = _READ_EDGES[graph] = tuple(
-            (e.consumer, e.in_index, nodes[e.consumer].inputs[e.in_index], e.producer,
+            (e.consumer, e.in_index, nodes[e.producer].outputs[e.out_index], e.producer,
              e.out_index) for e in graph.edges()
             if e.producer != e.consumer and nodes[e.consumer].kind != "control")
     return found
