@@ -215,13 +215,15 @@ def raw_collectives(graph: OpGraph, strategies: Mapping[int, OpStrategy], model:
     out: list[RawCollective] = []
     # (value, target layout, a level-3 second gather) -> readers, as the lowering keys them
     changes: dict[tuple[int, Spec, bool], list[int]] = {}
-    for node in graph.nodes:
-        if node.kind == "control":
-            continue
+    # layout_changes of every node, in node and input order, over the edges at once
+    for nid, i, operand, producer, index in _read_edges(graph):
+        dst = strategies[nid].in_specs[i]
+        src = strategies[producer].out_specs[index]
+        if src is not dst and src != dst:  # (most are the same object)
+            again = regather is not None and regather.applies(nid, operand)
+            changes.setdefault((operand, dst, again), []).append(nid)
+    for node in graph.searchable():
         strat = strategies[node.id]
-        for _, operand, _, dst in layout_changes(graph, strategies, node.id):
-            again = regather is not None and regather.applies(node.id, operand)
-            changes.setdefault((operand, dst, again), []).append(node.id)
         scatter = scatters.get(node.id)
         own: tuple[Collective, ...]
         if scatter is not None and scatter.partial:  # a term of a sum, added locally
@@ -265,9 +267,28 @@ def layout_changes(graph: OpGraph, strategies: Mapping[int, OpStrategy], nid: in
             continue
         value = graph.values[operand]
         src = strategies[value.producer].out_specs[value.index]
-        if src != reads[i] and value.producer != nid:
+        if src is not reads[i] and src != reads[i] and value.producer != nid:  # (most: same)
             out.append((i, operand, src, reads[i]))
     return out
+
+
+def _read_edges(graph: OpGraph) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``(reader, input index, value, producer, output index)`` of every value an operator or
+    output reads (constants, control nodes and a loop's edge to itself left out), by reader
+    and input: where :func:`layout_changes` looks, found once per graph (a search prices
+    several plans of one graph: issue 14)."""
+    found = _READ_EDGES.get(graph)
+    if found is None:
+        nodes = graph.nodes
+        found = _READ_EDGES[graph] = tuple(
+            (e.consumer, e.in_index, nodes[e.producer].outputs[e.out_index], e.producer,
+             e.out_index) for e in graph.edges()
+            if e.producer != e.consumer and nodes[e.consumer].kind != "control")
+    return found
+
+
+_READ_EDGES: weakref.WeakKeyDictionary[OpGraph, tuple[tuple[int, int, int, int, int], ...]] \
+    = weakref.WeakKeyDictionary()
 
 
 def _post_order(graph: OpGraph) -> tuple[np.ndarray, dict[tuple[int, int], int]]:
@@ -341,21 +362,34 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
         limit = hw.combine_threshold(c.kind)
         keys.append(None if limit <= 0 else
                     (c.kind, c.reduction, c.dtype, c.axes, r.region, r.weight))
-    remaining = list(range(len(raw)))
+    # The collectives not yet grouped, in post order, as a doubly linked list (``end`` ends
+    # it): a group unlinks its members at once, where rebuilding a list after every group
+    # made pricing a plan quadratic in its collectives (issue 14: 96 layers, two seconds).
+    n = len(raw)
+    end = n
+    after_k = list(range(1, n + 1)) + [0]  # after_k[end]: the first
+    before_k = [end] + list(range(n))  # before_k[0] = end; before_k[end] unused
+
+    def remaining():
+        k = after_k[end]
+        while k != end:
+            yield k
+            k = after_k[k]
+
     groups: list[tuple[int, ...]] = []
     count_limit = hw.combine_threshold_count
-    while remaining:
+    while after_k[end] != end:
         members: list[int] = []
         mask = 0
         below = 0  # what the members depend on: a collective there cannot join them
         size = 0.0
         key = None
-        taken = set()
-        for k in remaining:
+        taken = []
+        for k in remaining():
             if keys[k] is None:
                 if not members:  # never combined: its own collective
                     groups.append((k,))
-                    taken.add(k)
+                    taken.append(k)
                     break
                 continue
             if not members:
@@ -366,7 +400,7 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
             limit = hw.combine_threshold(raw[k].collective.kind)
             if nbytes > limit:
                 groups.append((k,))
-                taken.add(k)
+                taken.append(k)
                 if not members:
                     key = None
                 continue
@@ -376,22 +410,24 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
             if size + nbytes > limit or deps[k] & mask or below >> k & 1:
                 break
             members.append(k)
-            taken.add(k)
+            taken.append(k)
             mask |= 1 << k
             below |= deps[k]
             size += nbytes
             if len(members) >= count_limit:
                 break
+        for k in taken:
+            after_k[before_k[k]] = after_k[k]
+            before_k[after_k[k]] = before_k[k]
         if members:
             groups.append(tuple(members))
             if len(members) > 1:  # what depended on one member now depends on all of them
                 closure = mask
                 for k in members:
                     closure |= deps[k]
-                for k in remaining:
-                    if k not in taken and deps[k] & mask:
+                for k in remaining():
+                    if deps[k] & mask:
                         deps[k] |= closure
-        remaining = [k for k in remaining if k not in taken]
     return raw, groups
 
 
@@ -405,6 +441,7 @@ def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:
         else:
             for reader in r.readers:
                 on_edge.setdefault((r.value, reader), []).append(k)
+    changed = {v for v, _ in on_edge}  # values with a layout change (few: look up by value)
     after = [0] * len(graph.nodes)  # collectives a node's results depend on
     deps = [0] * len(raw)
     for node in graph.nodes:
@@ -416,6 +453,11 @@ def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:
             if p >= node.id:  # a loop's back edge
                 continue
             incoming = after[p]
+            if operand not in changed:
+                # (operands often carry the same set, the same object: no new one made)
+                if incoming is not acc and incoming:
+                    acc = incoming if not acc else acc | incoming
+                continue
             for k in on_edge.get((operand, node.id), ()):
                 deps[k] = after[p]
                 for w in raw[k].waits:  # a second gather's barrier (its reader's operands)

@@ -238,7 +238,7 @@ class OpGraph:
 
     def searchable(self) -> Iterator[Node]:
         """Nodes that get a strategy (everything but control nodes)."""
-        return (n for n in self.nodes if n.kind is not NodeKind.CONTROL)
+        return iter(self._searchable)
 
     def operand_shape(self, operand: Operand) -> tuple[int, ...]:
         return operand.shape if isinstance(operand, Const) else self.values[operand].shape
@@ -248,29 +248,50 @@ class OpGraph:
 
     def neighbours(self, node_id: int) -> Iterator[Edge]:
         """The edges touching a node: its inputs', then its outputs'."""
-        node = self.nodes[node_id]
-        for i, operand in enumerate(node.inputs):
-            if isinstance(operand, int):
-                v = self.values[operand]
-                yield Edge(v.producer, v.index, node_id, i)
-        for j, vid in enumerate(node.outputs):
-            for use in self.consumers[vid]:
-                yield Edge(node_id, j, use.consumer, use.in_index)
+        return iter(self._around[node_id])
 
     def edges(self) -> Iterator[Edge]:
         """Every edge, by consumer."""
-        for node in self.nodes:
-            for i, operand in enumerate(node.inputs):
-                if isinstance(operand, int):
-                    v = self.values[operand]
-                    yield Edge(v.producer, v.index, node.id, i)
+        return iter(self._edges)
 
     def priced_edges(self) -> Iterator[Edge]:
         """The edges a layout change can sit on: not into a control node (it only stands for
         its body), nor a loop carry's edge to itself."""
-        for e in self.edges():
-            if e.producer != e.consumer and self.nodes[e.consumer].kind is not NodeKind.CONTROL:
-                yield e
+        return iter(self._priced)
+
+    # The edge lists, made on the first ask and kept: a plan walks them a dozen times (issue
+    # 14: the first call of a deep model), and the graph never changes.
+    @functools.cached_property
+    def _edges(self) -> tuple[Edge, ...]:
+        out = []
+        for node in self.nodes:
+            for i, operand in enumerate(node.inputs):
+                if isinstance(operand, int):
+                    v = self.values[operand]
+                    out.append(Edge(v.producer, v.index, node.id, i))
+        return tuple(out)
+
+    @functools.cached_property
+    def _searchable(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.kind is not NodeKind.CONTROL)
+
+    @functools.cached_property
+    def _priced(self) -> tuple[Edge, ...]:
+        nodes = self.nodes
+        return tuple(e for e in self._edges
+                     if e.producer != e.consumer and nodes[e.consumer].kind is not NodeKind.CONTROL)
+
+    @functools.cached_property
+    def _around(self) -> tuple[tuple[Edge, ...], ...]:
+        around: list[list[Edge]] = [[] for _ in self.nodes]
+        for e in self._edges:  # a node's inputs' edges, in input order
+            around[e.consumer].append(e)
+        for node in self.nodes:  # then its outputs', by output and use
+            out = around[node.id]
+            for j, vid in enumerate(node.outputs):
+                for use in self.consumers[vid]:
+                    out.append(Edge(node.id, j, use.consumer, use.in_index))
+        return tuple(tuple(a) for a in around)
 
     def count(self, kind: str = "op") -> int:
         return sum(1 for n in self.nodes if n.kind == kind)

@@ -42,7 +42,7 @@ import heapq
 import numpy as np
 
 from jaxpar._src.errors import PlanError
-from jaxpar._src.search.optimal import IlpResult, ilp_variables, solve_optimal
+from jaxpar._src.search.optimal import IlpResult, Seen, ilp_variables, solve_optimal
 from jaxpar._src.search.problem import Problem
 
 PAIR_LIMIT = 1024  # largest candidate list a merged pair of nodes may have
@@ -129,7 +129,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
         return size
 
     recheck = len(alive)  # try the final graph's exact solve once it has this many nodes
-    counted: dict = {}  # ilp_variables' memory of the edges it counted
+    counted: Seen = {}  # ilp_variables' memory of the edges it counted, and their classes
     heap = [(work(n), n) for n in alive]
     heapq.heapify(heap)
     by_degree = [(len(adjacency[n]), n) for n in alive]  # for when no step is exact
@@ -162,7 +162,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
                 key = _fingerprint(core)
                 solved = _solved_cores.get(key)
                 if solved is None:
-                    solved = _solve_core(core)
+                    solved = _solve_core(core, counted)
                     if solved is not None:
                         _solved_cores[key] = solved
                         while len(_solved_cores) > CORE_MEMORY:
@@ -295,11 +295,12 @@ def _fingerprint(core: Problem) -> bytes:
     return h.digest()
 
 
-def _solve_core(core: Problem) -> IlpResult | None:
+def _solve_core(core: Problem, seen: Seen | None = None) -> IlpResult | None:
     """Exact when the relaxation is integral; else the relaxation's neighbourhood (no
-    branching: its time is what this bound is for)."""
+    branching: its time is what this bound is for).  ``seen``: the edges' classes
+    :func:`ilp_variables` found counting the core, not found again."""
     try:
-        return solve_optimal(core, time_limit=CORE_TIME_LIMIT, branch=False)
+        return solve_optimal(core, time_limit=CORE_TIME_LIMIT, branch=False, seen=seen)
     except PlanError:  # nothing found in time: go on with star eliminations
         return None
 

@@ -49,13 +49,17 @@ def milp(c: np.ndarray, **kwargs: Any) -> Any:
     return highs(c, **kwargs)
 
 
-def ilp_variables(problem: Problem, *, limit: float = np.inf,
-                  seen: dict[int, tuple[np.ndarray, int]] | None = None) -> int:
+Classes = tuple[np.ndarray, np.ndarray, np.ndarray]  # an edge's _edge_classes
+Seen = dict[int, tuple[np.ndarray, Classes]]  # edges' classes by the table's identity
+
+
+def ilp_variables(problem: Problem, *, limit: float = np.inf, seen: Seen | None = None) -> int:
     """How many variables the integer program of ``problem`` has: one per candidate, and one
     per pair of distinct cost rows and columns of every edge.  What the solver's time grows
     with (faster than linearly): the searches check it before solving.  Counting stops once
-    the count exceeds ``limit``.  ``seen`` remembers the edges counted before (by identity:
-    the solvers never change a cost table in place), for a caller that asks again.
+    the count exceeds ``limit``.  ``seen`` remembers the edges' classes counted before (by
+    identity: the solvers never change a cost table in place), for a caller that asks again
+    or then solves the program (:func:`solve_optimal`'s ``seen``).
 
     >>> from jaxpar._src.search.problem import Problem
     >>> costs = {0: np.zeros(3), 1: np.zeros(4)}
@@ -66,13 +70,18 @@ def ilp_variables(problem: Problem, *, limit: float = np.inf,
     for m in sorted(problem.edges.values(), key=lambda m: m.size):
         if n > limit:  # the caller only needs to know that it is too large
             break
-        known = seen.get(id(m)) if seen is not None else None
-        if known is None or known[0] is not m:
-            known = (m, _edge_classes(m)[2].size)
-            if seen is not None:
-                seen[id(m)] = known
-        n += known[1]
+        n += _classes_of(m, seen)[2].size
     return n
+
+
+def _classes_of(m: np.ndarray, seen: Seen | None) -> Classes:
+    """``_edge_classes(m)``, remembered in ``seen`` when given."""
+    known = seen.get(id(m)) if seen is not None else None
+    if known is None or known[0] is not m:
+        known = (m, _edge_classes(m))
+        if seen is not None:
+            seen[id(m)] = known
+    return known[1]
 
 
 Rows = list[tuple[dict[int, np.ndarray], float]]  # constraints sum_r coeff[r] . x_r <= bound
@@ -81,7 +90,8 @@ Rows = list[tuple[dict[int, np.ndarray], float]]  # constraints sum_r coeff[r] .
 def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Rows | None = None,
                   fallback: Callable[[], dict[int, int]] | None = None,
                   polish: Callable[[Problem, dict[int, int]], dict[int, int]] | None = None,
-                  good_enough: float = 0.0, branch: bool = True) -> IlpResult:
+                  good_enough: float = 0.0, branch: bool = True, seen: Seen | None = None
+                  ) -> IlpResult:
     """Solves the problem exactly, or says how far from exact its answer may be.
 
     The linear relaxation is solved first.  When it is integral (the usual case on meshes of
@@ -94,11 +104,12 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Ro
     the answer (``gap``: how far from the optimum it may be).
 
     ``extra_rows`` adds constraints ``sum_r coeff[r] . x_r <= bound`` (the memory cuts).
+    ``seen``: the edges' classes found before (:func:`ilp_variables`), not found again.
 
     Raises:
       PlanError: no plan satisfies the constraints (or none was found in time).
     """
-    program = _Program(problem, extra_rows or [])
+    program = _Program(problem, extra_rows or [], seen)
     relaxed = program.solve(integer=False, time_limit=time_limit)
     if relaxed.x is not None and _integral(relaxed.x[:program.n]):
         return program.result(program.choice(relaxed.x), optimal=True, bound=None)
@@ -158,7 +169,7 @@ def _neighbourhood(program: _Program, x: np.ndarray, time_limit: float
 class _Program:
     """The integer program of a problem, as scipy's ``milp`` takes it."""
 
-    def __init__(self, problem: Problem, extra_rows: Rows) -> None:
+    def __init__(self, problem: Problem, extra_rows: Rows, seen: Seen | None = None) -> None:
         self.problem = problem
         self.extra_rows = extra_rows
         offset: dict[int, int] = {}
@@ -194,7 +205,7 @@ class _Program:
         w_costs: list[np.ndarray] = []
         w_total = 0
         for (u, v), m in problem.edges.items():
-            row_ids, col_ids, table = _edge_classes(m)
+            row_ids, col_ids, table = _classes_of(m, seen)
             na, nb = table.shape
             base = n + w_total
             w_costs.append(table.reshape(-1))

@@ -72,6 +72,7 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
     the end of the round: with nothing to follow yet, it would only guess.
     """
     alive = {r: np.arange(len(problem.cands[r])) for r in problem.reps}
+    takers: dict = {}  # per candidate list and axis, the factor each candidate gives it
     for axis in axes:
         decided: set[int] = set()
         queue = collections.deque(order)
@@ -82,14 +83,14 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 waited.add(r)
                 queue.append(r)
                 continue
-            options = _split_by_axis(problem, r, alive[r], axis)
+            options = _split_by_axis(problem, r, alive[r], axis, takers)
             best_cls, best_score = None, None
             for cls in options:
                 own = float(np.min(problem.cost[r][cls] + implied[r][cls]))
                 redist = 0.0
                 for u in adjacency[r]:
                     if u in decided:
-                        redist += float(edge_rows(problem, r, u)[cls][:, alive[u]].min())
+                        redist += float(edge_rows(problem, r, u)[cls[:, None], alive[u]].min())
                 score = own + redist
                 if best_score is None or better(score, best_score):
                     best_cls, best_score = cls, score
@@ -106,14 +107,31 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
     return choice
 
 
-def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str) -> list[np.ndarray]:
-    """The candidates of ``r`` still alive, grouped by the factor that takes ``axis``."""
-    groups: dict[int, list[int]] = collections.defaultdict(list)
-    for k in alive:
-        cand = problem.cands[r][int(k)]
-        where = next((f for f, axes in enumerate(cand.factor_axes) if axis in axes), -1)
-        groups[where].append(int(k))
-    return [np.asarray(v, dtype=np.int64) for _, v in sorted(groups.items())]
+def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str,
+                   takers: dict | None = None) -> list[np.ndarray]:
+    """The candidates of ``r`` still alive, grouped by the factor that takes ``axis`` (-1:
+    none), groups in factor order.  ``takers`` remembers each candidate list's factors by
+    the list's identity (repeated layers share a few lists: issue 14).
+
+    >>> import dataclasses
+    >>> from jaxpar._src.rules import OpStrategy
+    >>> cands = tuple(OpStrategy(f, (), ()) for f in ((("x",), ()), ((), ("x",)), ((), ())))
+    >>> p = Problem.from_tables({0: np.zeros(3)}, {})
+    >>> p = dataclasses.replace(p, cands={0: cands})
+    >>> [g.tolist() for g in _split_by_axis(p, 0, np.arange(3), "x")]
+    [[2], [0], [1]]
+    """
+    cands = problem.cands[r]
+    key = (id(cands), axis)
+    found = takers.get(key) if takers is not None else None
+    if found is None or found[0] is not cands:
+        where = np.array([next((f for f, axes in enumerate(c.factor_axes) if axis in axes), -1)
+                          for c in cands], dtype=np.int64)
+        found = (cands, where)
+        if takers is not None:
+            takers[key] = found
+    taker = found[1][alive]
+    return [alive[taker == f] for f in np.unique(taker)]
 
 
 def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = None
@@ -126,7 +144,9 @@ def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = No
     node = graph.nodes[member]
     if space.rule(member).category is not OpCategory.CONTRACTION:
         return np.zeros(len(problem.cands[r]))
-    key = (problem.cands[r], node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
+    # the candidate list by identity (hashing it hashes every strategy: issue 14, 96 layers);
+    # the lists outlive ``cache`` (the problem holds them), so their ids stay theirs
+    key = (id(problem.cands[r]), node.weight, tuple(graph.operand_shape(o) for o in node.inputs),
            tuple(graph.operand_dtype(o) for o in node.inputs))
     if cache is not None and key in cache:
         return cache[key]
