@@ -12,6 +12,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import annotate, api, lower
+from jaxpar._src.graph import Const, NodeKind
 from tests import models
 from tests.util import assert_tree_close
 
@@ -80,9 +81,11 @@ def test_loose_results_change_no_collective(monkeypatch, case):
 
 def test_layouts_that_follow_their_operands_are_left_unconstrained():
     """A Megatron block's gradient: results of reshapes, transposes, and contractions and
-    reductions that need no collective, made from operands in their own layouts and read
-    as made, go unconstrained; a contraction with its all-reduce keeps its constraint
-    (the programs' equality: the tests above and below)."""
+    reductions made from operands in their own layouts and read as made go unconstrained,
+    those whose partial sums are all-reduced too (the row-parallel contractions: XLA
+    all-reduces what split operands leave); elementwise results whose size-1 operands
+    broadcast (a layer norm's scale) follow their split operands; a broadcast of a scalar
+    keeps its constraint (the programs' equality: the tests above and below)."""
     params, x = models.init_block(jax.random.key(0), batch=4, seq=8, d=32, ff=64)
     step = jaxpar.parallelize(
         jax.grad(models.block_loss), mesh=jaxpar.make_mesh((2, 4), ("dp", "mp")),
@@ -93,16 +96,25 @@ def test_layouts_that_follow_their_operands_are_left_unconstrained():
     loose = lower.loose_values(graph, plan)
     seen = collections.Counter()
     for node in graph.nodes:
-        if node.name not in ("reshape", "transpose", "dot_general", "reduce_sum"):
+        if node.kind is not NodeKind.OP:
             continue
         d = plan.decisions[node.id]
         free = node.outputs[0] in loose
-        seen[(node.name, bool(d.collectives), free)] += 1
-        if d.collectives:
-            assert not free, (node, d.strategy_str())
-    for name in ("reshape", "transpose", "dot_general", "reduce_sum"):
+        operands = [graph.values[o].shape for o in node.inputs if not isinstance(o, Const)]
+        if node.name in ("reshape", "transpose", "dot_general", "reduce_sum"):
+            seen[(node.name, bool(d.collectives), free)] += 1
+        elif node.name in ("mul", "add") and any(1 in s for s in operands if s):
+            seen[("broadcasting " + node.name, False, free)] += 1
+        elif node.name == "broadcast_in_dim" and not operands:
+            seen[("scalar broadcast", False, free)] += 1
+        if d.collectives and free:  # only partial sums all-reduced
+            assert node.name in ("dot_general", "reduce_sum"), (node, d.strategy_str())
+            assert {c.kind for c in d.collectives} == {"all-reduce"}, (node, d.strategy_str())
+    for name in ("reshape", "transpose", "dot_general", "reduce_sum", "broadcasting mul"):
         assert seen[(name, False, True)] > 0, (name, seen)
-    assert seen[("dot_general", True, False)] > 0  # the row-parallel contractions
+    assert seen[("dot_general", True, True)] > 0, seen  # the row-parallel contractions
+    assert seen[("scalar broadcast", False, False)] > 0, seen
+    assert seen[("scalar broadcast", False, True)] == 0, seen
 
 
 def test_loops_and_checkpoints_are_evaluated():

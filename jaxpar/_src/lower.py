@@ -10,13 +10,14 @@ pinned to one layout on both ends.  XLA's SPMD partitioner then inserts the coll
 Not every constraint is needed, and each costs XLA compile time (Shardy's propagation visits them
 all: at 24 layers of a GPT train step 5.6k constraints made XLA's compile 1.4x ``jax.jit``'s, for
 the very same partitioned program).  :func:`loose_values` finds the results whose layout XLA would
-derive anyway and leaves them unconstrained (seven in eight of a transformer's train step's: 1,379
-of 10,481 kept at 24 layers): results of elementwise operators whose operands are in the result's
-layout (the forward image of constrained values) read in that layout, results of reshapes,
-transposes, broadcasts, contractions and reductions that need no collective and whose layout
-follows from their operands', and values only returned (``jit``'s out_shardings say
-it).  Contractions and reductions with collectives, broadcasts of scalars, layout changes and
-parameters stay constrained, so there is no other layout for XLA to pick; ``tests/test_lower.py``
+derive anyway and leaves them unconstrained (nineteen in twenty of a transformer's train step's:
+573 of 10,481 kept at 24 layers): results of elementwise operators whose operands are in the
+result's layout or broadcast from size 1 (the forward image of constrained values) read in that
+layout, results of reshapes, transposes, broadcasts, contractions and reductions whose layout
+follows from their operands' and whose only collective is the all-reduce of partial sums, and
+values only returned (``jit``'s out_shardings say it).  Contractions and reductions with other
+collectives, broadcasts of scalars, iotas, layout changes and parameters stay constrained, so
+there is no other layout for XLA to pick; ``tests/test_lower.py``
 checks that the compiled program, collectives and instructions, is the fully constrained one's.
 
 ::
@@ -93,20 +94,26 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
     """Results that need no constraint, because every reader takes them in the layout they are
     made in (no layout change) and XLA's propagation derives that layout anyway:
 
-    - made by an elementwise operator whose operands all have the result's shape and layout
-      (scalar literals aside) with no layout change on the way: the forward image of already
-      constrained operands (scalar operands have none).  Inside an elementwise run and at
-      its end, read by at most one operator that is not such (a contraction, a reduction, a
-      reshape reads it in that layout): a value read by two contractions keeps its
-      constraint, without which XLA scheduled them the other way round (the same
-      instructions, 64 KiB more live on ``tests/test_recompute.py``'s step);
+    - made by an elementwise operator whose operands have the result's shape and layout, or
+      size 1 (broadcast, whole) where the result's dimension is larger, every split
+      dimension of the result split alike on some operand (scalar literals aside), with no
+      layout change on the way: the forward image of already constrained operands (scalar
+      operands have none; a layer norm's scale of shape (1, 1, d) times a batch-split
+      activation gives the activation's layout).  Inside an elementwise run and at its end,
+      read by at most one operator that is not a sum, maximum, reshape, squeeze, transpose,
+      broadcast or such an elementwise operator (all reading it in that layout): a value
+      read by two contractions keeps its constraint, without which XLA scheduled them the
+      other way round (the same instructions, 64 KiB more live on
+      ``tests/test_recompute.py``'s step; two convolutions, 8 KiB more on a convnet);
     - made by a reshape, squeeze, transpose, broadcast (of an array), contraction or
-      reduction without collectives of its own (no partial sums to reduce, nothing moved
-      between devices) from operands read in their own layout, split only on mesh axes its
-      operands are split on, and read in that layout: the layout follows from the operands'
-      (more than half of what was left constrained on a transformer's train step).
-      Broadcasts of scalars stay constrained (without theirs XLA's simplifier folded a
-      constant through one: one multiply fewer in an MLP's gradient, a different program);
+      reduction from operands read in their own layout, split only on mesh axes its operands
+      are split on, and read in that layout: the layout follows from the operands' (more
+      than half of what was left constrained on a transformer's train step).  Its only
+      collectives may be the all-reduce of a contraction's or a sum's partial sums (the
+      gradient of a weight in data parallelism, a row-parallel layer): what XLA does with a
+      split contracted dimension whose result is read whole.  Broadcasts of scalars stay
+      constrained (without theirs XLA's simplifier folded a constant through one: one
+      multiply fewer in an MLP's gradient, a different program);
     - read only as results of the program, in the layout ``jit``'s out_shardings give them.
 
     Checkpoint bodies keep every constraint.  ``tests/test_lower.py`` checks that the compiled
@@ -117,6 +124,7 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             return False
         d = plan.decisions[node.id]
         spec, shape = d.out_specs[0], graph.values[node.outputs[0]].shape
+        covered: set[int] = set()  # the result's split dimensions some operand is split on
         for operand, read in zip(node.inputs, d.in_specs, strict=True):
             if isinstance(operand, Const):
                 if operand.shape:
@@ -125,10 +133,16 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             v = graph.values[operand]
             if not v.shape and shape:  # a scalar operand (Adam's bias correction) has no layout
                 continue
-            if v.shape != shape or read != spec or \
-                    plan.decisions[v.producer].out_specs[v.index] != spec:
+            made = plan.decisions[v.producer].out_specs[v.index]
+            if read != made or not len(v.shape) == len(shape) == len(read.dims) == \
+                    len(spec.dims):  # (ZeRO's restacked partial sums carry one more)
                 return False
-        return True
+            for k, (n, want, got) in enumerate(zip(v.shape, spec.dims, read.dims, strict=True)):
+                if n == shape[k] and got == want:
+                    covered.add(k)
+                elif got or n != 1:
+                    return False  # a size-1 dimension (broadcast) stays whole
+        return all(k in covered for k, axes in enumerate(spec.dims) if axes)
 
     def read_as_made(vid: int, spec: Spec, readers: frozenset[NodeKind]) -> bool:
         uses = graph.consumers[vid]
@@ -138,9 +152,11 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
 
     def follows_operands(node: Node) -> bool:
         d = plan.decisions[node.id]
-        if node.name not in _FOLLOWERS or len(node.outputs) != 1 or d.collectives or \
-                node.id in scattered:
+        if node.name not in _FOLLOWERS or len(node.outputs) != 1 or node.id in scattered:
             return False
+        if d.collectives and (node.name not in _SUMMING or
+                              any(c.kind != "all-reduce" for c in d.collectives)):
+            return False  # partial sums all-reduced are what XLA makes of split operands
         for operand, read in zip(node.inputs, d.in_specs, strict=True):
             if isinstance(operand, Const):
                 if node.name == "broadcast_in_dim":
@@ -153,6 +169,11 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         split = {a for read in d.in_specs for a in read.axes}
         return set(d.out_specs[0].axes) <= split
 
+    def one_heavy_reader(vid: int) -> bool:
+        return sum(1 for u in graph.consumers[vid] if u.consumer not in inner and
+                   graph.nodes[u.consumer].kind is NodeKind.OP and
+                   graph.nodes[u.consumer].name not in _LIGHT) <= 1
+
     scattered = {nid for nid, _ in plan.scatters}  # ZeRO's reduce-scatters: written by hand
     inner = {n.id for n in graph.nodes if keeps_layout(n)}
     loose = set()
@@ -160,9 +181,7 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         if node.kind is not NodeKind.OP or node.remat is not None:
             continue
         for vid, spec in zip(node.outputs, plan.decisions[node.id].out_specs, strict=True):
-            if node.id in inner and read_as_made(vid, spec, _READERS) and \
-                    sum(1 for u in graph.consumers[vid] if u.consumer not in inner and
-                        graph.nodes[u.consumer].kind is NodeKind.OP) <= 1:
+            if node.id in inner and read_as_made(vid, spec, _READERS) and one_heavy_reader(vid):
                 loose.add(vid)
             elif read_as_made(vid, spec, _RESULTS):
                 loose.add(vid)
@@ -175,7 +194,14 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
 # (``loose_values``).
 _FOLLOWERS = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "dot_general",
                         "reduce_sum", "reduce_max"})
+# Of those, the ones whose partial sums (a split contracted or reduced dimension) XLA
+# all-reduces where the result is read whole.
+_SUMMING = frozenset({"dot_general", "reduce_sum"})
 
+# Readers besides which an elementwise result may have one more (a contraction, a convolution,
+# a gather, ...) and still go unconstrained: a value two contractions read keeps its constraint.
+_LIGHT = frozenset({"reduce_sum", "reduce_max", "reshape", "squeeze", "transpose",
+                    "broadcast_in_dim"})
 
 # Readers that take a value by its plain layout (a loop's or branch's crossing has its own).
 _READERS = frozenset({NodeKind.OP, NodeKind.OUTPUT})
