@@ -12,6 +12,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src.pipeline.memory import estimate
+from jaxpar._src.pipeline.residuals import taint
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 
 TOLERANCE = 0.10  # |predicted / compiled - 1| (README: the GPT table's residual is within 5%)
@@ -96,12 +97,32 @@ def test_predicted_memory_is_the_compiled_programs(S, M, config, dp, adam, zero,
     assert "loop" in plan.pipeline.explain() and "residual slots" in plan.pipeline.explain()
 
 
+def test_a_cond_taints_its_outputs_one_by_one():
+    """A padded split's slot runs under ``lax.cond``: what a branch makes from the weights
+    alone stays clean (recomputed in the backward, not stored per micro-batch); everything
+    is tainted where the branch index is."""
+    def slot(w, x, on):
+        return jax.lax.cond(on, lambda w, x: (jnp.tanh(x @ w), w * 2.0),
+                            lambda w, x: (x, jnp.zeros_like(w)), w, x)
+
+    closed = jax.make_jaxpr(slot)(jnp.ones((4, 4)), jnp.ones((2, 4)), True)
+    w, x, on = closed.jaxpr.invars
+    y, w2 = closed.jaxpr.outvars
+    dirty = taint(closed.jaxpr, {x})
+    assert y in dirty and w2 not in dirty
+    assert {y, w2} <= taint(closed.jaxpr, {on})
+
+
 def test_the_split_respects_the_memory_budget():
     """A heavy head pulls layers to stage 0 (split (5, 3): 5 slots); a budget one byte below
     that split's estimate leaves at most 4 slots, within it; none fits 1 KB (said so)."""
     free, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096)
     split = free.pipeline.split
     assert split.slots == 5 and split.counts == (5, 3), split
+    # padded (stage 1 runs 3 of its 5 slots, each under a lax.cond): a layer stores three
+    # [16, 32] leaves of its micro-batch's rows, not a copy of its [32, 32] weight too
+    # (10,240 B while residuals.taint tainted a cond's outputs as a whole)
+    assert free.pipeline.memory.layer_stored == 3 * 16 * 32 * 4
     budget = split.memory_bytes - 1
     tight, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096,
                      hardware=jaxpar.HardwareProfile(memory_per_device=budget))

@@ -94,9 +94,10 @@ def probe(tick: Any, carried0: Any) -> None:
 
 
 def taint(jaxpr: Any, tainted: set) -> set:
-    """Variables of ``jaxpr`` that depend on ``tainted``: through a ``scan`` output by output
-    (a layer stack's weight-only residuals stay clean), through other nested equations as a
-    whole."""
+    """Variables of ``jaxpr`` that depend on ``tainted``: through a ``scan`` or a ``cond``
+    output by output (a layer stack's weight-only residuals stay clean, and so do those of a
+    padded split's slots, each run under a ``lax.cond`` on its flag), through other nested
+    equations as a whole."""
     dirty = set(tainted)
     for eqn in jaxpr.eqns:
         ins = [not is_literal(v) and v in dirty for v in eqn.invars]
@@ -104,6 +105,9 @@ def taint(jaxpr: Any, tainted: set) -> set:
             continue
         if eqn.primitive.name == "scan":
             dirty.update(v for v, d in zip(eqn.outvars, scan_taint(eqn, ins), strict=True)
+                         if d)
+        elif eqn.primitive.name == "cond":
+            dirty.update(v for v, d in zip(eqn.outvars, cond_taint(eqn, ins), strict=True)
                          if d)
         else:
             dirty.update(eqn.outvars)
@@ -124,6 +128,20 @@ def scan_taint(eqn: Any, ins: list[bool]) -> list[bool]:
         if grown == flags:
             return outs
         flags = grown
+
+
+def cond_taint(eqn: Any, ins: list[bool]) -> list[bool]:
+    """Which outputs of a cond depend on its tainted operands: all of them where the branch
+    index does, else those that depend on them in some branch."""
+    if ins[0]:
+        return [True] * len(eqn.outvars)
+    outs = [False] * len(eqn.outvars)
+    for branch in eqn.params["branches"]:
+        body = branch.jaxpr
+        inner = taint(body, {v for v, d in zip(body.invars, ins[1:], strict=True) if d})
+        outs = [o or (not is_literal(v) and v in inner)
+                for o, v in zip(outs, body.outvars, strict=True)]
+    return outs
 
 
 def is_literal(v: Any) -> bool:
