@@ -112,9 +112,11 @@ def test_layouts_inside_a_group_drop_the_row_axes():
     assert _fit(Spec((("dp", "tp"), ())), (1, 8), mesh, ("dp",)) == Spec(((), ()))
 
 
-def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
-    # ZeRO level 2: the gradients summed over the row groups are reduce-scattered into the
-    # layout of their Adam moments (split over dp), not all-reduced whole and then sliced
+def _stack_adam(mesh, optimizer_config):
+    """One Adam step of 8 layers ``tanh(x @ w_i)`` (16 x 16) pipelined over 2 stages, 4
+    micro-batches, with the parallel optimizer (``optimizer_config``, threshold 0) and NaN
+    bubbles, checked against the same step on one device: the new optimizer state, the
+    compiled collectives and the plan's gradient reduction."""
     import optax
 
     def loss(w, x):
@@ -134,11 +136,10 @@ def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
     keys = jax.random.split(jax.random.key(0), 9)
     w = [jax.random.normal(k, (16, 16)) * 0.3 for k in keys[:8]]
     x = jax.random.normal(keys[8], (32, 16))
-    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
     with jaxpar.auto_parallel_context(
             parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=2, micro_batches=4,
             enable_parallel_optimizer=True, parallel_optimizer_config={
-                "optimizer_level": "level2", "parallel_optimizer_threshold": 0}):
+                "parallel_optimizer_threshold": 0, **optimizer_config}):
         cell = jaxpar.PipelineCell(loss, batch_argnums=1, bubble_fill=NAN)
         sw = cell.stack(w, x)
         step = jaxpar.parallelize(train(cell), batch_argnums=2)
@@ -149,6 +150,14 @@ def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     for a, b in zip(new_sw.unstack(), ref_w, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return state, colls, red
+
+
+def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
+    # ZeRO level 2: the gradients summed over the row groups are reduce-scattered into the
+    # layout of their Adam moments (split over dp), not all-reduced whole and then sliced
+    state, colls, red = _stack_adam(jaxpar.make_mesh((4, 2), ("dp", "pp")),
+                                    {"optimizer_level": "level2"})
     # the moments [S, v, k, 16, 16] = [2, 1, 4, 16, 16]: k split over dp
     assert state[0].mu.stacked[0].sharding.spec == P("pp", None, "dp")
     # one reduce-scatter over dp of the stage's 4 layers (4 x 1 KiB), as predicted; no
@@ -431,41 +440,9 @@ def test_a_shard_group_smaller_than_the_row_axes_keeps_the_all_reduce():
     # rows over dp+tp, optimizer_weight_shard_size=2: the moments split over tp only.  A
     # reduce-scatter over tp alone would leave the dp groups unsummed (the update was 2x the
     # learning rate off): the gradients are all-reduced over dp+tp and the update slices them
-    import optax
-
-    def loss(w, x):
-        for i in range(8):
-            x = jnp.tanh(x @ w[i])
-        return jnp.mean(x ** 2)
-
-    tx = optax.adam(1e-2)
-
-    def train(cell):
-        def step(p, s, x):
-            value, grads = jax.value_and_grad(cell)(p, x)
-            updates, s = tx.update(grads, s, p)
-            return optax.apply_updates(p, updates), s, value
-        return step
-
-    keys = jax.random.split(jax.random.key(0), 9)
-    w = [jax.random.normal(k, (16, 16)) * 0.3 for k in keys[:8]]
-    x = jax.random.normal(keys[8], (32, 16))
-    mesh = jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp"))
-    with jaxpar.auto_parallel_context(
-            parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=2, micro_batches=4,
-            enable_parallel_optimizer=True, parallel_optimizer_config={
-                "optimizer_level": "level1", "parallel_optimizer_threshold": 0,
-                "optimizer_weight_shard_size": 2}):
-        cell = jaxpar.PipelineCell(loss, batch_argnums=1, bubble_fill=NAN)
-        sw = cell.stack(w, x)
-        step = jaxpar.parallelize(train(cell), batch_argnums=2)
-        new_sw, state, value = step(sw, tx.init(sw), x)
-        colls = jaxpar.inspect.collectives(step.lower(sw, tx.init(sw), x).compile())
-        red = step.plan(sw, tx.init(sw), x).pipeline.gradient_reduction
-    ref_w, _, ref_value = jax.jit(train(loss))(w, tx.init(w), x)  # one device
-    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    for a, b in zip(new_sw.unstack(), ref_w, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    state, colls, red = _stack_adam(jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp")),
+                                    {"optimizer_level": "level1",
+                                     "optimizer_weight_shard_size": 2})
     assert red.axes == ("dp", "tp") and red.once and red.scattered_bytes == 0, red
     assert state[0].mu.stacked[0].sharding.spec == P("pp", None, "tp")
     after = [r for r in colls if r.computation.startswith("main") and "dp" in r.axes

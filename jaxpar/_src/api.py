@@ -48,7 +48,7 @@ from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
-from jaxpar._src.pipeline.outer import attach_pipeline, pipeline_settings, programs_in
+from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import (
     TEXT_SHA,
@@ -569,7 +569,7 @@ class Parallelized:
         again = Regather.of(program.graph, plan) if settings.mode is not \
             ParallelMode.STAND_ALONE else Regather()
         plan = regather_note(program.graph, plan, again)
-        if not (again or plan.scatters or programs_in(program.graph)):
+        if not (again or plan.scatters or loops_in(program.graph)):
             return plan  # make_plan's estimate is the lowered program's
         return with_lowered_memory(program.graph, plan, regather=again)
 

@@ -120,10 +120,10 @@ def _opaque_strategy(rule: FactorRule, specs: list[Spec], mesh: MeshShape) -> An
     return specs_for(rule, axes)
 
 
-def programs_in(graph: Any) -> list[Any]:
-    """The pipelines whose loops a traced graph contains, in order."""
-    out = []
-    for _, program in loops_in(graph):
+def _distinct(loops: list[tuple[int, Any]]) -> list[Any]:
+    """The pipelines of :func:`loops_in`'s loops, each once, in order."""
+    out: list[Any] = []
+    for _, program in loops:
         if program not in out:
             out.append(program)
     return out
@@ -166,7 +166,7 @@ def attach_pipeline(plan: Any, graph: Any) -> Any:
     from jaxpar._src.pipeline.report import PipelinePlan
 
     loops = loops_in(graph)
-    programs = programs_in(graph)
+    programs = _distinct(loops)
     if not programs:
         return plan
     notes = plan.notes
