@@ -32,15 +32,18 @@ def _toy(head: int):
     return loss, (w, h), jax.random.normal(k[2], (64, 32))
 
 
-def _step(S, M, config, *, dp, adam, zero=False, head=0, hardware=None):
+def _step(S, M, config, *, dp, adam, zero=False, head=0, hardware=None,
+          mode="semi_auto_parallel", compile=True, run=False):
     """The toy's train step pipelined (Adam: weights stacked, ``cell.stack``); its plan and
-    the compiled program's memory per device."""
+    the compiled program's memory per device (``zero``: a parallel optimizer level, ``True``
+    for level 1; ``run``: and the compiled HLO, the step's results and one device's)."""
     loss, params, x = _toy(head)
+    level = "level1" if zero is True else zero
     zero_options = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
-        "optimizer_level": "level1", "parallel_optimizer_threshold": 0}} if zero else {}
+        "optimizer_level": level, "parallel_optimizer_threshold": 0}} if zero else {}
     extra = {"hardware": hardware} if hardware is not None else {}
     with jaxpar.auto_parallel_context(
-            parallel_mode="semi_auto_parallel", mesh=jaxpar.make_mesh((dp, S), ("dp", "pp")),
+            parallel_mode=mode, mesh=jaxpar.make_mesh((dp, S), ("dp", "pp")),
             pipeline_stages=S, micro_batches=M, pipeline_config=config, **zero_options):
         cell = jaxpar.PipelineCell(loss, batch_argnums=1)
         if adam:
@@ -57,7 +60,15 @@ def _step(S, M, config, *, dp, adam, zero=False, head=0, hardware=None):
             args = (params, x)
             f = jaxpar.parallelize(jax.value_and_grad(cell), batch_argnums=1, **extra)
         plan = f.plan(*args)
-        return plan, jaxpar.inspect.memory(f.lower(*args).compile())
+        if not compile:
+            return plan, None
+        compiled = f.lower(*args).compile()
+        if run:
+            got = f(*args)
+    if run:  # one device: no pipeline outside the context
+        return plan, jaxpar.inspect.memory(compiled), compiled.as_text(), got, jax.jit(step)(
+            *args)
+    return plan, jaxpar.inspect.memory(compiled)
 
 
 def test_slots_follow_the_schedule():
@@ -145,3 +156,49 @@ def test_a_loss_not_differentiated_holds_no_residual_or_cotangent_slots():
     assert (loop.res_slots, loop.ct_slots, loop.residual_slots, loop.cotangent_slots) == \
         (0, 0, 0.0, 0.0), loop
     assert loop.activation_slots > 0 and loop.tick == loop.slots * plan.pipeline.split.layer_bytes
+
+
+def test_the_steps_search_counts_the_loop_under_a_budget():
+    """The search around the loop (auto_parallel) checks its plans against the budget with
+    the loop's memory in (its own model alone was 0.18-0.67 of the compiled total): under a
+    budget below the compiled peak of every plan it can make it says so, where it used to
+    return a plan whose compiled program did not fit."""
+    config = {"pipeline_scheduler": "gpipe"}
+    roomy, mem = _step(2, 4, config, dp=4, adam=True, mode="auto_parallel")
+    assert abs(roomy.memory_bytes / mem["total"] - 1) <= TOLERANCE, (roomy.memory_bytes, mem)
+    budget = 0.8 * mem["total"]  # above the step's model without the loop, below the plan
+    assert roomy.memory_bytes - roomy.pipeline.memory.total < budget
+    with pytest.raises(jaxpar.PlanError, match="no plan fits the memory budget"):
+        _step(2, 4, config, dp=4, adam=True, mode="auto_parallel", compile=False,
+              hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+
+
+def test_auto_level_weighs_each_level_by_its_own_loop():
+    """``"optimizer_level": "auto"`` on a pipelined step: each level is planned on the
+    program traced at that level (the loop reduce-scatters the stage gradients at levels
+    1-3 and holds their whole accumulator: ``pipeline/memory.py``), so the level chosen is
+    the program that runs, its prediction that program's.  A sweep of budgets (between
+    level 1's and off's compiled peaks, above off's, unbounded): the compiled peak of the
+    choice stays within each budget and grows with it; numerics equal one device."""
+    config = {"pipeline_scheduler": "gpipe"}
+    peaks = {lv: _step(2, 4, config, dp=4, adam=True, zero=lv, mode="auto_parallel")[1]
+             ["total"] for lv in (False, "level1")}
+    assert peaks["level1"] < peaks[False], peaks
+    chosen = []
+    for budget in ((peaks["level1"] + peaks[False]) / 2, 1.05 * peaks[False], 1e12):
+        plan, mem, hlo, got, want = _step(
+            2, 4, config, dp=4, adam=True, zero="auto", mode="auto_parallel", run=True,
+            hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+        assert mem["total"] <= budget, (mem, budget, plan.notes)
+        assert abs(plan.memory_bytes / mem["total"] - 1) <= TOLERANCE, (plan.memory_bytes, mem)
+        level = plan.optimizer_level
+        assert mem["total"] == peaks["level1" if level == 1 else False], (level, mem, peaks)
+        # level 1's loop is level 1's: its stage gradients reduce-scattered (they used to be
+        # all-reduced by the loop traced for "auto", then sliced)
+        assert (" reduce-scatter(" in hlo) == (level == 1)
+        chosen.append(mem["total"])
+        if budget < peaks[False]:
+            assert level == 1, plan.notes
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6), float(jnp.max(abs(a - b)))
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1], chosen

@@ -323,10 +323,14 @@ class Parallelized:
                                  settings=settings, info=info)
             cached = read_entry(cache_dir, key, api=info.api)
             if cached is not None:
+                if _per_level(settings, program):  # the loop of the level the plan chose
+                    stored = cached.get("plan")
+                    program, batch, _ = self._trace(args, _at_level(settings, stored.get(
+                        "optimizer_level") if isinstance(stored, dict) else None), names, None)
                 plan = entry_plan(cached, key.path(cache_dir), program.graph, api=info.api)
                 hit, text_sha = plan is not None, cached[TEXT_SHA]
         if plan is None:
-            plan = self._plan(args, program, settings, names, batch)
+            program, batch, plan = self._plan(args, program, settings, names, batch)
             plan = dataclasses.replace(plan, notes=plan.notes + remat_notes(program.graph))
             if key is not None and cache_dir:
                 text_sha = store_cached(cache_dir, key, plan, api=info.api)
@@ -435,14 +439,17 @@ class Parallelized:
         def rung(policies: tuple[str, ...], within: Settings = free) -> Rung:
             key = (signature, within, policies)
             if key not in self._rungs:
-                program, batch, seen = self._trace(args, settings, names, policies)
+                # a pipeline's loop is built for the parallel optimizer it runs with
+                program, batch, seen = self._trace(args, dataclasses.replace(
+                    settings, optimizer=within.optimizer), names, policies)
                 if len(seen) != len(layers):
                     raise PlanError(
                         f"{info.api}: tracing again with chosen recompute policies met "
                         f"{len(seen)} jaxpar.recompute(policy='auto') blocks instead of "
                         f"{len(layers)}; a jax.jit around them caches its first trace. Put "
                         f"the blocks outside nested jits, or give them fixed policies.")
-                plan = self._plan(args, program, within, names, batch)
+                program, batch, plan = self._plan(args, program, within, names, batch,
+                                                  policies)
                 plan = dataclasses.replace(plan, memory_budget=budget)
                 in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                              for n in program.graph.inputs]
@@ -523,17 +530,31 @@ class Parallelized:
         return None if plan is None else (program, batch, plan, entry[TEXT_SHA])
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
-              batch: tuple[int, ...] | None) -> ShardingPlan:
+              batch: tuple[int, ...] | None, policies: tuple[str, ...] | None = None
+              ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan]:
         """The plan of ``program``: pins gathered, strategies searched (or loaded from the
         strategy file), every node and edge priced; with ``"optimizer_level": "auto"``, the
-        ZeRO level that fits the memory budget (``choose_level``)."""
+        ZeRO level that fits the memory budget (``choose_level``).  Returned with the program
+        and batch arguments it plans: a pipelined program is traced again at each level
+        tried (``policies``: its recompute choice), since its loop is built for the level
+        (ZeRO's reduce-scattered stage gradients) and holds memory of its own, which
+        ``plan.memory_bytes`` counts (``pipeline/memory.py``): each level is weighed by the
+        memory of the program that would run."""
         opt = settings.optimizer
         if opt is None or not opt.automatic:
-            return self._plan_once(args, program, settings, names, batch)
-        return choose_level(
-            lambda o: self._plan_once(args, program, dataclasses.replace(settings, optimizer=o),
-                                      names, batch),
-            opt, float(settings.hardware.memory_per_device or 0.0))
+            return program, batch, self._plan_once(args, program, settings, names, batch)
+        again = _per_level(settings, program)
+        traced: dict[int, tuple[TracedProgram, tuple[int, ...] | None]] = {}
+
+        def plan_for(o: OptimizerParallel | None) -> ShardingPlan:
+            at = dataclasses.replace(settings, optimizer=o)
+            p, b = self._trace(args, at, names, policies)[:2] if again else (program, batch)
+            plan = self._plan_once(args, p, at, names, b)
+            traced[plan.optimizer_level] = (p, b)
+            return plan
+
+        plan = choose_level(plan_for, opt, float(settings.hardware.memory_per_device or 0.0))
+        return *traced[plan.optimizer_level], plan
 
     def _plan_once(self, args: tuple, program: TracedProgram, settings: Settings,
                    names: list[str], batch: tuple[int, ...] | None) -> ShardingPlan:
@@ -644,6 +665,22 @@ class Parallelized:
                              mesh.devices.flat[0].platform, graph) or regather_options(
                              mesh.devices.flat[0].platform, regather))
         return jitted
+
+
+def _per_level(settings: Settings, program: TracedProgram) -> bool:
+    """Whether ``program`` is traced again for each parallel optimizer level tried
+    (``"optimizer_level": "auto"``): where it runs a pipeline, whose loop is built for
+    the level."""
+    opt = settings.optimizer
+    return opt is not None and opt.automatic and bool(loops_in(program.graph))
+
+
+def _at_level(settings: Settings, level: Any) -> Settings:
+    """``settings`` with the automatic parallel optimizer at ``level`` (0: off)."""
+    opt = settings.optimizer
+    assert opt is not None
+    return dataclasses.replace(settings, optimizer=dataclasses.replace(opt, level=level)
+                               if isinstance(level, int) and level > 0 else None)
 
 
 def _given(x: Any) -> Callable[[], Any]:

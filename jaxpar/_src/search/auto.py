@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxpar._src.errors import PlanError
-from jaxpar._src.graph import NodeKind
+from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import _bytes
 from jaxpar._src.regather import ORIGIN as REGATHERED
 from jaxpar._src.regather import Regather
@@ -74,6 +74,8 @@ class Memory:
     roomy: bool  # nothing replicated exceeds it: no plan can
     search_mode: str
     split: frozenset[int] = frozenset()  # ZeRO level 3's pinned inputs (gathered again)
+    # what pipeline loops hold inside, (bytes, loop node): fixed by the pipeline's own plan
+    loops: tuple[tuple[float, int], ...] = ()
 
     def lift(self, choice: Mapping[int, int]) -> dict[int, int]:
         """A choice of the searched problem as one of the full problem."""
@@ -83,7 +85,7 @@ class Memory:
 
     def estimate(self, choice: Mapping[int, int]) -> MemoryEstimate:
         return _estimate(self.problem.space, self.problem.expand(self.lift(choice)),
-                         self.split, self.roomy)
+                         self.split, self.roomy, self.loops)
 
     def peak(self, choice: Mapping[int, int]) -> float:
         return 0.0 if self.roomy else self.estimate(choice).peak
@@ -95,12 +97,15 @@ class Memory:
         """The linear constraint that the bytes live where ``choice`` peaks shrink by the
         factor ``choice`` is over the budget.  The estimate (fused, packed) is not linear in
         the choice; the cut counts the values live there unfused (:func:`live_ranges`), so
-        its bound is ``choice``'s own count scaled by that factor."""
+        its bound is ``choice``'s own count scaled by that factor (of the part the choice
+        moves: the pipeline loops' insides are fixed)."""
         est = self.estimate(choice)
         coeffs, _ = _memory_cut(self.problem, est.at, self.budget)
         lifted = self.lift(choice)
         live = sum(float(vec[lifted[r]]) for r, vec in coeffs.items())
-        return _fold((coeffs, live * self.budget / max(est.peak, 1.0)), self.owner)
+        fixed = sum(b for b, _ in self.loops)
+        scale = max(self.budget - fixed, 0.0) / max(est.peak - fixed, 1.0)
+        return _fold((coeffs, live * scale), self.owner)
 
     def refusal(self, smallest: float) -> PlanError:
         return PlanError(
@@ -150,9 +155,14 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
         space.calibrate(base)
     graph = space.graph
     budget = float(space.model.hw.memory_per_device)
-    roomy = replicated_peak(graph) <= budget  # then no plan can exceed the budget
+    # A pipeline's loop is one operator of this graph; what it holds inside (its residual
+    # slots, accumulators: pipeline/memory.py) is fixed by the pipeline's own plan, and is
+    # most of a pipelined step's memory: every estimate counts it, as plan.memory_bytes does.
+    loops = _loop_temporaries(graph)
+    # then no plan can exceed the budget
+    roomy = replicated_peak(graph) + sum(b for b, _ in loops) <= budget
     run = functools.partial(_solve, request=request, search_mode=search_mode, solver=solver,
-                            budget=budget, roomy=roomy)
+                            budget=budget, roomy=roomy, loops=loops)
     problem, choice, optimal, notes = run(space)
     strategies = problem.expand(choice)
     objective = space.price(strategies).step_s  # as XLA runs it: combined, overlapped
@@ -176,7 +186,7 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
     def option(name: str, plan: Mapping[int, OpStrategy]) -> _Option:
         plan = split_inputs(space, plan, pinned)  # as each would end: compared as used
         return _Option(name, plan, space.price(plan).step_s,
-                       functools.partial(_estimate, space, plan, split, roomy))
+                       functools.partial(_estimate, space, plan, split, roomy, loops))
 
     options = [option("search", strategies)]
     lean = _lean(problem, choice)
@@ -292,7 +302,8 @@ def _choose(options: Sequence[_Option], budget: float, roomy: bool
 
 
 def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solver: Solver,
-           budget: float, roomy: bool) -> tuple[Problem, dict[int, int], bool | None, list[str]]:
+           budget: float, roomy: bool, loops: tuple[tuple[float, int], ...] = ()
+           ) -> tuple[Problem, dict[int, int], bool | None, list[str]]:
     """Builds the problem on ``space`` and solves it with ``solver`` within the budget: the
     problem, the choice (of the full problem), whether it is proven optimal, and notes."""
     problem = build_problem(space, request.pins, ties=request.ties,
@@ -304,7 +315,7 @@ def _solve(space: SearchSpace, *, request: SearchRequest, search_mode: str, solv
         target, owner = quotient(problem)
         notes.append(f"repeated layers share strategies: {len(problem.reps)} nodes searched as "
                      f"{len(target.reps)}")
-    memory = Memory(problem, owner, budget, roomy, search_mode, _split(request))
+    memory = Memory(problem, owner, budget, roomy, search_mode, _split(request), loops)
     solution = solver(target, memory)
     notes.extend(solution.notes)
     return problem, memory.lift(solution.choice), solution.optimal, notes
@@ -336,12 +347,22 @@ def _split(request: SearchRequest) -> frozenset[int]:
 
 
 def _estimate(space: SearchSpace, strategies: Mapping[int, OpStrategy], split: frozenset[int],
-              roomy: bool) -> MemoryEstimate:
+              roomy: bool, loops: tuple[tuple[float, int], ...] = ()) -> MemoryEstimate:
     """What the compiled program of ``strategies`` holds (search/memory.py), the packing left
-    out where the budget cannot bind (``roomy``: the estimate only breaks ties)."""
+    out where the budget cannot bind (``roomy``: the estimate only breaks ties); ``loops``:
+    what pipeline loops hold inside, temporaries of their operators."""
     again = Regather.find(space.graph, strategies, split)
     return peak_memory(space.graph, strategies, space.model.mesh,
-                       again=again.applies if again else None, packed=not roomy)
+                       again=again.applies if again else None, packed=not roomy,
+                       temporaries=loops)
+
+
+def _loop_temporaries(graph: OpGraph) -> tuple[tuple[float, int], ...]:
+    """``(bytes, node)`` of every pipeline loop of ``graph``: what it holds inside
+    (:func:`jaxpar._src.pipeline.memory.loop_temporaries`)."""
+    from jaxpar._src.pipeline.memory import loop_temporaries  # the pipeline plans with search
+
+    return tuple(loop_temporaries(graph))
 
 
 def _memory_cut(problem: Problem, position: int, budget: float

@@ -65,12 +65,12 @@ def live_ranges(graph: OpGraph) -> list[tuple[int, int, int]]:
 
 
 def peak_memory(graph: OpGraph, strategies: Mapping[int, OpStrategy], mesh: MeshShape, *,
-                again: Callable[[int, int], bool] | None = None, packed: bool = True
-                ) -> MemoryEstimate:
+                again: Callable[[int, int], bool] | None = None, packed: bool = True,
+                temporaries: Sequence[tuple[float, int]] = ()) -> MemoryEstimate:
     """The memory per device of ``strategies`` compiled (:func:`lowered`): ``peak`` is its
     total (``packed=False``: the most bytes live at once, cheaper), ``at`` where the most
-    bytes are live."""
-    m = lowered(graph, strategies, mesh, again=again, packed=packed)
+    bytes are live; ``temporaries``: ``(bytes, node)`` held while a node runs."""
+    m = lowered(graph, strategies, mesh, again=again, packed=packed, temporaries=temporaries)
     return MemoryEstimate(m.total if packed else m.live_peak, m.arguments, m.at)
 
 
