@@ -104,7 +104,8 @@ class LoopMemory:
 
 def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
              stored_bytes: float, full_bytes: float, carried_bytes: float,
-             recompute: bool = False, extra_grad_bytes: float = 0.0) -> LoopMemory:
+             recompute: bool = False, extra_grad_bytes: float = 0.0,
+             tick_grad_bytes: float = 0.0) -> LoopMemory:
     """The loop's memory for ``slots`` layers per chunk (see the module docstring).
 
     Args:
@@ -117,12 +118,17 @@ def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
       recompute: ``pipeline_residuals="recompute"``: a chunk stores its input only.
       extra_grad_bytes: the gradient accumulators beyond the loop's results (the loop's
         last carry is its result's buffer, :func:`_extra_grads`).
+      tick_grad_bytes: the rest's weight gradients a backward makes in its tick before
+        they are added to their accumulators (a head run in the loop: :func:`_rest_grads`).
     """
     if not schedule.has_backward:
+        # forwards alone: no residual or cotangent slots, no accumulators; a tick runs the
+        # chunk's layer slots one after another, each on its layer's weights sliced from the
+        # stack (XLA's buffer assignment: one [32, 32] slice on the toy stack, not the chunk's)
         t = SlotTables.of(schedule)
         return LoopMemory(0.0, (t.act_slots + 2) * carried_bytes, 0.0, 0.0,
-                          slots * layer_bytes, 0, t.act_slots, 0, slots, schedule.repeats,
-                          0.0)
+                          layer_bytes if slots else 0.0, 0, t.act_slots, 0, slots,
+                          schedule.repeats, 0.0)
     t = SlotTables.of(schedule)
     v, k = schedule.repeats, slots
     chunk_stored = carried_bytes if recompute else k * stored_bytes
@@ -130,7 +136,7 @@ def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
     # the chunk's weight gradients before the accumulators, recomputing with the residuals
     # the forward remade; the two never live at once (one runs after the other)
     forward = k * (full_bytes if not recompute else 0.0)
-    backward = k * layer_bytes + (k * full_bytes if recompute else 0.0)
+    backward = k * layer_bytes + tick_grad_bytes + (k * full_bytes if recompute else 0.0)
     return LoopMemory(
         residual_slots=(t.res_slots + 1) * chunk_stored,
         activation_slots=(t.act_slots + 2) * carried_bytes,
@@ -160,7 +166,7 @@ def split_bytes(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
     v = schedule.repeats
     loop = estimate(schedule, slots=slots, layer_bytes=layer_bytes, stored_bytes=residual_bytes,
                     full_bytes=residual_bytes, carried_bytes=carried_bytes, recompute=recompute,
-                    extra_grad_bytes=rest_bytes)
+                    extra_grad_bytes=rest_bytes, tick_grad_bytes=rest_bytes)
     return 2 * v * slots * layer_bytes + 2 * rest_bytes + loop.total
 
 
@@ -205,7 +211,8 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
     m = estimate(program.schedule if backward else program.forward_schedule,
                  slots=split.slots, layer_bytes=split.layer_bytes, stored_bytes=stored,
                  full_bytes=full, carried_bytes=carried,
-                 recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh))
+                 recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
+                 tick_grad_bytes=_rest_grads(program, mesh))
     return dataclasses.replace(m, how="traced" if traced is not None else "graph")
 
 
@@ -218,25 +225,38 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
     from jaxpar._src.pipeline.groups import strip
 
     groups, ends = program.groups, program.ends
-    only = set(ends.only) if groups.on and ends.on else set()
     # the rest's per-micro-batch accumulators: their result is their sum over "pp", another
     # buffer (a placeholder scalar where only the per-group sum is kept)
-    total = sum(_local(program.graph.values[vid], program.spec(vid), mesh)
-                for i, vid in enumerate(program.rest) if i not in only
-                and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact))
+    total = _rest_grads(program, mesh)
     if not groups.on:
         return total
     v, k = program.config.repeats, program.split.slots
-    for j, _, _ in program.scatters:
-        # the accumulator [v, G, k, ...] (one group per device) and the reduce-scatter's
-        # operand, the group dropped ([v, k, ...], a buffer of its own): both whole
+    scattered = {j for j, _, _ in program.scatters}
+    for j in range(len(program.stacked)):
+        # the accumulator [v, G, k, ...] (one group per device), summed over the row axes
+        # after the loop into the result: by all-reduce, the result a buffer of its own, or,
+        # reduce-scattered, also the collective's operand, the group dropped ([v, k, ...]):
+        # each whole
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
-        total += 2 * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
+        copies = 2 if j in scattered else 1
+        total += copies * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
     for i in ends.grouped if ends.on else ():
         vid = program.rest[i]
         total += _local(program.graph.values[vid], strip(program.spec(vid), groups.axes),
                         mesh)
     return total
+
+
+def _rest_grads(program: Any, mesh: MeshShape) -> float:
+    """The rest's gradients accumulated per micro-batch in the loop (a placeholder scalar
+    where only the per-group sum is kept, ``ends.only``): the accumulators beyond the loop's
+    results, and what one backward makes of them before adding them (the head's gradient
+    of the toy stack's 4096-column head: XLA's buffer assignment holds both)."""
+    groups, ends = program.groups, program.ends
+    only = set(ends.only) if groups.on and ends.on else set()
+    return sum(_local(program.graph.values[vid], program.spec(vid), mesh)
+               for i, vid in enumerate(program.rest) if i not in only
+               and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact))
 
 
 def _rows_spec(program: Any, aval: Any) -> Spec | None:

@@ -153,12 +153,17 @@ def _buffers(graph: OpGraph, structure: _Structure, specs: Any, mesh: MeshShape,
             v = graph.values[x]
             if specs[o].in_specs[0] == specs[v.producer].out_specs[v.index]:
                 outputs.add(x)
+    # a sharding constraint of an argument in its own layout is the argument: XLA's
+    # partitioner drops the constraint and readers read the parameter's buffer
+    same = {vid for vid, nid, arg in structure.pinned
+            if vid not in outputs and specs[nid].in_specs[0] == specs[nid].out_specs[0]
+            == specs[arg].out_specs[0]}
     arguments = 0.0
     buffers: list[tuple[float, int, int, bool, int]] = []
     for vid, producer, index, nbytes, argument in structure.values:
         if argument:
             arguments += held(nbytes, specs[producer].out_specs[index])
-        elif vid not in fused:
+        elif vid not in fused and vid not in same:
             out = vid in outputs
             buffers.append((held(nbytes, specs[producer].out_specs[index]), 2 * producer,
                             last if out else end[vid], out, last if out else soft[vid]))
@@ -259,6 +264,7 @@ class _Structure:
         ``(reader, operand index, value, producer, result index, an output, the reader's
         results)``.
       nbytes: per value, its bytes.
+      pinned: ``(value, node, input node)`` of every sharding constraint of an argument.
       recent: the last plans :func:`lowered` measured (``(plan, mesh, again, (arguments,
         buffers, live peak, where))``): the plan a search chose is measured again when
         the plan is made.
@@ -269,6 +275,7 @@ class _Structure:
     values: list[tuple[int, int, int, int, bool]]
     reads: list[tuple[int, int, int, int, int, bool, tuple[int, ...]]]
     nbytes: list[int]
+    pinned: list[tuple[int, int, int]]
     recent: list[tuple[dict, MeshShape, Any, tuple]]
 
 
@@ -302,8 +309,15 @@ def _structure(graph: OpGraph) -> _Structure:
               node.kind is NodeKind.OUTPUT, tuple(node.outputs))
              for node in nodes if node.kind is not NodeKind.CONTROL
              for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
+    pinned = []
+    for node in nodes:
+        if node.kind is NodeKind.OP and node.name == "sharding_constraint" and \
+                len(node.inputs) == 1 and isinstance(node.inputs[0], int):
+            arg = graph.values[node.inputs[0]].producer
+            if nodes[arg].kind is NodeKind.INPUT:
+                pinned.append((node.outputs[0], node.id, arg))
     found = _STRUCTURES[graph] = _Structure(fusible, readers, values, reads,
-                                            [v.nbytes for v in graph.values], [])
+                                            [v.nbytes for v in graph.values], pinned, [])
     return found
 
 
