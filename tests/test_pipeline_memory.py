@@ -183,13 +183,15 @@ def test_the_steps_search_counts_the_loop_under_a_budget():
               hardware=jaxpar.HardwareProfile(memory_per_device=budget))
 
 
-def test_auto_level_weighs_each_level_by_its_own_loop():
+@pytest.mark.slow
+def test_auto_level_weighs_each_level_by_its_own_loop(cache_dir):
     """``"optimizer_level": "auto"`` on a pipelined step: each level is planned on the
     program traced at that level (the loop reduce-scatters the stage gradients at levels
     1-3 and holds their whole accumulator: ``pipeline/memory.py``), so the level chosen is
     the program that runs, its prediction that program's.  A sweep of budgets (between
     level 1's and off's compiled peaks, above off's, unbounded): the compiled peak of the
-    choice stays within each budget and grows with it; numerics equal one device."""
+    choice stays within each budget and grows with it; numerics equal one device, also with
+    the plan loaded from the plan cache (the program is traced again at its level)."""
     config = {"pipeline_scheduler": "gpipe"}
     peaks = {lv: _step(2, 4, config, dp=4, adam=True, zero=lv, mode="auto_parallel")[1]
              ["total"] for lv in (False, "level1")}
@@ -209,6 +211,16 @@ def test_auto_level_weighs_each_level_by_its_own_loop():
         chosen.append(mem["total"])
         if budget < peaks[False]:
             assert level == 1, plan.notes
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6), float(jnp.max(abs(a - b)))
+            # from the plan cache: the program traced again at the level the plan chose
+            assert not any("loaded from the plan cache" in n for n in plan.notes), plan.notes
+            plan, mem, hlo, got, _ = _step(
+                2, 4, config, dp=4, adam=True, zero="auto", mode="auto_parallel", run=True,
+                hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+            assert any("loaded from the plan cache" in n for n in plan.notes), plan.notes
+            assert plan.optimizer_level == 1 and " reduce-scatter(" in hlo
+            assert mem["total"] == peaks["level1"]
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6), float(jnp.max(abs(a - b)))
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1], chosen
