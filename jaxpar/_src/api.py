@@ -548,7 +548,10 @@ class Parallelized:
 
         def plan_for(o: OptimizerParallel | None) -> ShardingPlan:
             at = dataclasses.replace(settings, optimizer=o)
-            p, b = self._trace(args, at, names, policies)[:2] if again else (program, batch)
+            # traced at "auto" (level 0), the program is the one with the optimizer off: no
+            # scattered gradients in the loop, none constrained (below level 2)
+            p, b = self._trace(args, at, names, policies)[:2] if again and (
+                o is not None or opt.shards_gradients) else (program, batch)
             plan = self._plan_once(args, p, at, names, b)
             traced[plan.optimizer_level] = (p, b)
             return plan
