@@ -135,6 +135,28 @@ class SearchSpace:
         self._last_flops[nid] = (strategy, found)
         return found
 
+    def _plan_flops(self, strategies: Mapping[int, OpStrategy], nodes: list[int]
+                    ) -> dict[int, float]:
+        """:meth:`flops` of every node of a plan, as one loop: the operator's FLOPs over the
+        devices its strategy splits them on (``CostModel.op_flops``, the same sum), that
+        split found once per strategy (issue 14: a plan's price asked :meth:`flops` of every
+        node, and the plans compared differ in most nodes' strategy objects)."""
+        rules = self._rules
+        splits = self.model._splits
+        split = self.model.split
+        graph_nodes = self.graph.nodes
+        out = {}
+        for n in nodes:
+            strategy = strategies[n]
+            k = splits.get(strategy)
+            if k is None:
+                k = split(strategy)
+            rule = rules.get(n)
+            if rule is None:
+                rule = self.rule(n)
+            out[n] = rule.flops / k * graph_nodes[n].weight
+        return out
+
     def in_category(self, *categories: OpCategory) -> frozenset[int]:
         """The operators whose rule declares one of ``categories`` (``register_rule``'s
         ``category=``): what the pricing and pruning treat as contractions or indexing."""
@@ -251,7 +273,7 @@ class SearchSpace:
                 strategies, scatters = self.lowered(strategies)
             # the backward readers as lowered (a reduce-scattered gradient's layouts)
             again = Regather.find(self.graph, strategies, split) if split else None
-            flops = {n: self.flops(n, strategies[n]) for n in nodes}
+            flops = self._plan_flops(strategies, nodes)
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
                                                    self.deferred, self.edge_weight,
                                                    scatters, again)
