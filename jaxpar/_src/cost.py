@@ -87,6 +87,7 @@ class CostModel:
         self.mesh = mesh
         self.hw = hardware
         self._redistributions: dict[tuple, tuple[Collective, ...]] = {}
+        self._splits: dict[OpStrategy, int] = {}  # devices each strategy splits its work over
 
     # -- collectives --------------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str], *,
@@ -204,8 +205,17 @@ class CostModel:
     def op_flops(self, rule: FactorRule, strategy: OpStrategy, weight: float = 1.0) -> float:
         """:meth:`op_cost`'s FLOPs alone: what a whole plan's price needs of every node, without
         the collectives and bytes (issue 14: pricing a plan asks it of every operator)."""
-        split = math.prod(self.mesh.product(a) for a in strategy.factor_axes)
-        return rule.flops / split * weight
+        return rule.flops / self.split(strategy) * weight
+
+    def split(self, strategy: OpStrategy) -> int:
+        """Over how many devices ``strategy`` splits its operator's work (the product of the
+        mesh axes its factors take), found once per strategy: the plans a search prices share
+        a few hundred strategies over thousands of operators (issue 14)."""
+        found = self._splits.get(strategy)
+        if found is None:
+            found = self._splits[strategy] = math.prod(
+                self.mesh.product(a) for a in strategy.factor_axes)
+        return found
 
 
 def _dtype_name(dtype: Any) -> str:

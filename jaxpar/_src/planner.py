@@ -151,6 +151,7 @@ def _decisions(graph: OpGraph, strategies: Mapping[int, OpStrategy],
     contractions in ``scatters``) and the layout changes on its input edges, priced."""
     model: CostModel = space.model
     decisions = []
+    names: dict[Any, str] = {}  # each rule category's name (an enum's str() calls Python)
     for node in graph.nodes:
         in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
         out_shapes = tuple(graph.values[v].shape for v in node.outputs)
@@ -185,10 +186,14 @@ def _decisions(graph: OpGraph, strategies: Mapping[int, OpStrategy],
             if detail.runner_up is not None:
                 extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
                 extra["runner_up_extra_s"] = detail.runner_up_extra_s
+        category = space.rule(node.id).category
+        name = names.get(category)
+        if name is None:
+            name = names[category] = str(category)
         decisions.append(OpDecision(
             node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
             strat.in_specs, strat.out_specs, origins.get(node.id, ""),
-            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own),
-            tuple(redists), flops=space.flops(node.id, strat),
-            category=str(space.rule(node.id).category), **extra))
+            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own)
+            if own else (), tuple(redists), flops=space.flops(node.id, strat),
+            category=name, **extra))
     return tuple(decisions)

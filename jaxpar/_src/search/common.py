@@ -64,10 +64,6 @@ class SearchSpace:
         self._rules: dict[int, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
-        self._flops: dict[tuple[int, OpStrategy], float] = {}  # the plans compared share most
-        # per node, the strategy last asked for (that very object) and its FLOPs: hashing a
-        # strategy calls Python, and the plans compared share most strategy objects
-        self._last_flops: dict[int, tuple[OpStrategy, float]] = {}
         self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
         self._op_views: dict[int, OpView] = {}
         self._deferred: frozenset[int] | None = None
@@ -122,18 +118,35 @@ class SearchSpace:
 
     def flops(self, nid: int, strategy: OpStrategy) -> float:
         """``op_cost(nid, strategy).flops`` without the rest of the price: a whole plan's price
-        needs only this of every operator, most of them in layouts no search priced."""
-        last = self._last_flops.get(nid)
-        if last is not None and last[0] is strategy:
-            return last[1]
-        key = (nid, strategy)
-        found = self._flops.get(key)
-        if found is None:
-            cost = self._op_costs.get(key)
-            found = self._flops[key] = cost.flops if cost is not None else \
-                self.model.op_flops(self.rule(nid), strategy, self.graph.nodes[nid].weight)
-        self._last_flops[nid] = (strategy, found)
-        return found
+        needs only this of every operator, most of them in layouts no search priced.  The
+        operator's FLOPs over the devices ``strategy`` splits them on (``CostModel.op_flops``,
+        the same sum), that split found once per strategy (``CostModel.split``)."""
+        rule = self._rules.get(nid)
+        if rule is None:
+            rule = self.rule(nid)
+        return rule.flops / self.model.split(strategy) * self.graph.nodes[nid].weight
+
+    def _plan_flops(self, strategies: Mapping[int, OpStrategy], nodes: list[int]
+                    ) -> dict[int, float]:
+        """:meth:`flops` of every node of a plan, as one loop: the operator's FLOPs over the
+        devices its strategy splits them on (``CostModel.op_flops``, the same sum), that
+        split found once per strategy (issue 14: a plan's price asked :meth:`flops` of every
+        node, and the plans compared differ in most nodes' strategy objects)."""
+        rules = self._rules
+        splits = self.model._splits
+        split = self.model.split
+        graph_nodes = self.graph.nodes
+        out = {}
+        for n in nodes:
+            strategy = strategies[n]
+            k = splits.get(strategy)
+            if k is None:
+                k = split(strategy)
+            rule = rules.get(n)
+            if rule is None:
+                rule = self.rule(n)
+            out[n] = rule.flops / k * graph_nodes[n].weight
+        return out
 
     def in_category(self, *categories: OpCategory) -> frozenset[int]:
         """The operators whose rule declares one of ``categories`` (``register_rule``'s
@@ -185,8 +198,6 @@ class SearchSpace:
         other._rules = self._rules
         other._views = self._views
         other._op_views = self._op_views
-        other._flops = self._flops
-        other._last_flops = self._last_flops
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
         other._deferred = self.deferred
         other._siblings = self._siblings
@@ -251,7 +262,7 @@ class SearchSpace:
                 strategies, scatters = self.lowered(strategies)
             # the backward readers as lowered (a reduce-scattered gradient's layouts)
             again = Regather.find(self.graph, strategies, split) if split else None
-            flops = {n: self.flops(n, strategies[n]) for n in nodes}
+            flops = self._plan_flops(strategies, nodes)
             found = self._priced[key] = price_plan(self.graph, strategies, self.model, flops,
                                                    self.deferred, self.edge_weight,
                                                    scatters, again)

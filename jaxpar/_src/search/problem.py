@@ -215,8 +215,10 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     searchable = [n.id for n in graph.searchable()]
     cands: dict[int, tuple[OpStrategy, ...]] = {}
     # What a node's candidate list depends on (its rule and how it is filtered, or its pin):
-    # nodes with one key share one list, and the caches below are keyed by it.
-    kinds: dict[int, tuple] = {}
+    # nodes with one key share one list, and the caches below are keyed by it, numbered
+    # (a number hashes at once; the key's tuple hashed anew on every look-up: issue 14).
+    kinds: dict[int, int] = {}
+    kind_ids: dict[tuple, int] = {}
     filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
     # Splits no contraction can use (search/useful.py); the same for every bucket size.
     dead = space.unpriced.get(("useless", unpriced_key))
@@ -224,13 +226,15 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         dead = space.unpriced[("useless", unpriced_key)] = useless_factors(space, pins)
     for nid in searchable:
         if nid in pinned:
-            kinds[nid] = ("pin", pinned[nid].strategy)
-            cands[nid] = filtered.setdefault(kinds[nid], (pinned[nid].strategy,))
+            pin = ("pin", pinned[nid].strategy)
+            kinds[nid] = kind_ids.setdefault(pin, len(kind_ids))
+            cands[nid] = filtered.setdefault(pin, (pinned[nid].strategy,))
             continue
         node = graph.nodes[nid]
         rule = space.rule(nid)
-        key = kinds[nid] = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
-                            rule.category is OpCategory.CONTRACTION, dead.get(nid))
+        key = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
+               rule.category is OpCategory.CONTRACTION, dead.get(nid))
+        kinds[nid] = kind_ids.setdefault(key, len(kind_ids))
         options = filtered.get(key)
         if options is None:
             # A dimension split over several axes takes them in mesh order (the other orders
@@ -252,6 +256,7 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     # A follower's index depends on its candidates, its leader's and the leader's own index
     # (kept alive in ``follow``, so its id stays its own): repeated layers find it once.
     indices: dict[tuple, np.ndarray | None] = {}
+    through: dict[tuple, bool] = {}  # _pass_through's verdict on an operator's rule
     for nid in searchable:
         if nid in pinned:
             continue
@@ -259,7 +264,7 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         if nid in tied_to_input and tied_to_input[nid] in cands:
             leader, j, i = tied_to_input[nid], 0, 0
         else:
-            leader_port = _pass_through(space, nid)
+            leader_port = _pass_through(space, nid, through)
             if leader_port is None:
                 continue
             leader, j, i = leader_port
@@ -284,13 +289,14 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     # port is an array of ids over its rep's candidates (repeated layers share the arrays).
     spec_ids: dict[Spec, int] = {}
     specs: list[Spec] = []
-    own_ports: dict[tuple[tuple, str, int], np.ndarray] = {}
+    own_ports: dict[tuple[int, str, int], np.ndarray] = {}
     # A port over its rep's candidates, and its bytes, by the node's kind and its follower
     # index (by identity: ``follow`` keeps the index alive, and repeated layers share it).
     ports: dict[tuple, tuple[np.ndarray, bytes]] = {}
 
     def port(nid: int, side: str, idx: int) -> tuple[np.ndarray, bytes]:
-        index = follow[nid][1] if nid in follow else None
+        followed = follow.get(nid)
+        index = None if followed is None else followed[1]
         key = (kinds[nid], side, idx)
         found = ports.get((key, None if index is None else id(index)))
         if found is not None:
@@ -326,14 +332,21 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     matrices: dict[tuple, tuple[np.ndarray, bool]] = {}  # and whether anything moves
     moves: dict[tuple, float] = {}  # seconds of one layout change, by layout ids (_edge_matrix)
     edges_between = 0  # edges between two coarse nodes (each needs a matrix)
+    # Candidates whose ports differ, by the two port arrays (shared by repeated layers, kept
+    # alive by ``ports``: their ids stay theirs while this runs)
+    differ: dict[tuple[int, int], list[int]] = {}
     for producer, j, consumer, i in graph.priced_edges():
         ru, rv = rep_of(producer), rep_of(consumer)
         src, src_bytes = port(producer, "out", j)
         dst, dst_bytes = port(consumer, "in", i)
         if ru == rv:
-            for k in np.flatnonzero(src != dst):
-                inner.append((ru, int(k), space.edge_time(producer, j, specs[src[k]], consumer,
-                                                     specs[dst[k]])))
+            pair = (id(src), id(dst))
+            changed = differ.get(pair)
+            if changed is None:
+                changed = differ[pair] = np.flatnonzero(src != dst).tolist()
+            for k in changed:
+                inner.append((ru, k, space.edge_time(producer, j, specs[src[k]], consumer,
+                                                 specs[dst[k]])))
             continue
         edges_between += 1
         value = graph.values[graph.nodes[producer].outputs[j]]
@@ -424,8 +437,10 @@ def _result_bytes(space: SearchSpace, nid: int, strategy: OpStrategy) -> float:
     return total
 
 
-def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
-    """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on."""
+def _pass_through(space: SearchSpace, nid: int, memo: dict[tuple, bool] | None = None
+                  ) -> tuple[int, int, int] | None:
+    """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on.
+    ``memo`` remembers what an operator's rule says (repeated layers share their rules)."""
     graph = space.graph
     node = graph.nodes[nid]
     if node.kind not in (NodeKind.OP, NodeKind.OUTPUT, NodeKind.EXIT) or len(node.outputs) > 1:
@@ -436,17 +451,30 @@ def _pass_through(space: SearchSpace, nid: int) -> tuple[int, int, int] | None:
     i, operand = values[0]
     if node.kind is NodeKind.OP:
         rule = space.rule(nid)
-        if rule.reductions or rule.blocked:
-            return None
-        if node.outputs and rule.operands[i] != rule.results[0]:
-            return None
-        others = [t for k, t in enumerate(rule.operands) if k != i]
-        if any(any(d) for t in others for d in t):
+        key = (rule, i, bool(node.outputs))
+        carries = memo.get(key) if memo is not None else None
+        if carries is None:
+            carries = _rule_carries(rule, i, bool(node.outputs))
+            if memo is not None:
+                memo[key] = carries
+        if not carries:
             return None
     elif node.kind is NodeKind.EXIT and node.role is not Role.CARRY_OUT:
         return None
     v = graph.values[operand]
     return v.producer, v.index, i
+
+
+def _rule_carries(rule, i: int, has_outputs: bool) -> bool:
+    """Whether an operator of ``rule`` carries operand ``i``'s layout to its result as it is:
+    no reduction or blocked factor, the result's dimensions the operand's, every other
+    operand without factors of its own."""
+    if rule.reductions or rule.blocked:
+        return False
+    if has_outputs and rule.operands[i] != rule.results[0]:
+        return False
+    others = [t for k, t in enumerate(rule.operands) if k != i]
+    return not any(any(d) for t in others for d in t)
 
 
 def _edge_matrix(space: SearchSpace, producer: int, j: int, consumer: int,

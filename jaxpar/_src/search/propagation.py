@@ -71,17 +71,20 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
     counter = itertools.count()
     heap: list[tuple[int, int, int]] = []
 
+    decided = strategies.keys()  # (a set view: a subset test runs in C)
+    control = {n.id for n in graph.nodes if n.kind is NodeKind.CONTROL}
+
     def readiness(v: int) -> int:
-        if all(p in strategies for p in producers[v]):
+        if producers[v] <= decided:
             return 0
-        if all(c in strategies for c in consumers[v]):
+        if consumers[v] <= decided:
             return 1
         return 2
 
     def discover(u: int) -> None:
         for e in graph.neighbours(u):
             v = e.consumer if e.producer == u else e.producer
-            if v in strategies or graph.nodes[v].kind is NodeKind.CONTROL:
+            if v in strategies or v in control:
                 continue
             if v not in discovered:
                 discovered[v] = next(counter)
@@ -190,8 +193,8 @@ def _question(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]) 
         ports.append((e.producer == v, e.out_index, e.in_index, other, value.shape,
                       value.dtype, space.edge_weight(e.producer, e.consumer)))
     return (space.rule(v), node.weight, space.bucket_of(v),
-            tuple(graph.operand_dtype(o) for o in node.inputs),
-            tuple(graph.values[o].dtype for o in node.outputs), tuple(ports))
+            tuple([graph.operand_dtype(o) for o in node.inputs]),
+            tuple([graph.values[o].dtype for o in node.outputs]), tuple(ports))
 
 
 def _best_response(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]

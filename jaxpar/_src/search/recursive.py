@@ -45,8 +45,7 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     graph = space.graph
     adjacency = problem.neighbours()
     priced: dict[tuple, np.ndarray] = {}  # repeated layers price their cuts once
-    implied = {r: sum(_implied_cost(problem, r, m, priced) for m in problem.members_of(r))
-               for r in problem.reps}
+    implied = {r: _implied_total(problem, r, priced) for r in problem.reps}
     weight = {r: sum(space.rule(m).flops * graph.nodes[m].weight for m in problem.members_of(r))
               if graph.nodes[r].kind is NodeKind.OP else 0.0 for r in problem.reps}
     light = {r for r in problem.reps
@@ -132,6 +131,19 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str,
             takers[key] = found
     taker = found[1][alive]
     return [alive[taker == f] for f in np.unique(taker)]
+
+
+def _implied_total(problem: Problem, r: int, cache: dict) -> np.ndarray:
+    """:func:`_implied_cost` summed over the graph nodes ``r`` stands for, in their order.
+    Only contractions have a cut to price: the others' zeros are not made and added (adding
+    zeros changes no sum; issue 14: a quotient node of a deep model stands for many)."""
+    space = problem.space
+    total = None
+    for m in problem.members_of(r):
+        if space.rule(m).category is OpCategory.CONTRACTION:
+            cut = _implied_cost(problem, r, m, cache)
+            total = cut + 0.0 if total is None else total + cut
+    return np.zeros(len(problem.cands[r])) if total is None else total
 
 
 def _implied_cost(problem: Problem, r: int, member: int, cache: dict | None = None

@@ -59,20 +59,23 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
 
     dims_of: dict[int, dict[int, list[int]]] = {}
     for node in graph.searchable():
-        rule = space.rule(node.id)
-        values = [o if isinstance(o, int) else None for o in node.inputs]
+        inputs, outputs = node.inputs, node.outputs
         per_factor: dict[int, list[int]] = {}
-        for side, index, d, f in _all_splittable_dims(rule):
-            vid = values[index] if side == 0 else node.outputs[index]
-            if vid is not None:
-                k = first[vid] + d
-                per_factor.setdefault(f, []).append(
-                    k if k < first[vid + 1] else numbered(vid, d))
-        for members in per_factor.values():
-            for m in members[1:]:
-                ra, rb = find(members[0]), find(m)
-                if ra != rb:
-                    parent[ra] = rb
+        for f, dims in _factor_dims(space.rule(node.id)):
+            members = []
+            for side, index, d in dims:
+                vid = inputs[index] if side == 0 else outputs[index]
+                if isinstance(vid, int):  # (a constant operand has no value)
+                    k = first[vid] + d
+                    members.append(k if k < first[vid + 1] else numbered(vid, d))
+            if members:
+                per_factor[f] = members
+                root = find(members[0])
+                for m in members[1:]:
+                    other = find(m)
+                    if other != root:
+                        parent[root] = other
+                        root = other
         dims_of[node.id] = per_factor
     useful: set[int] = set()
     pinned = {p.node: p for p in pins}
@@ -96,6 +99,24 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
         if dead:
             out[node.id] = dead
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _factor_dims(rule: FactorRule) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+    """:func:`_all_splittable_dims` of ``rule`` by factor, ``(factor, ((side, tensor index,
+    dimension), ...))`` in order of each factor's first dimension: what a node's pass of
+    :func:`useless_factors` walks, grouped once per rule (repeated layers share their rules).
+
+    >>> from jaxpar._src.rules.factors import RuleBuilder
+    >>> b = RuleBuilder()
+    >>> n, h = b.factor(8), b.factor(4)
+    >>> _factor_dims(b.build(operands=[(n, h)], results=[(n, h)]))
+    ((0, ((0, 0, 0), (1, 0, 0))), (1, ((0, 0, 1), (1, 0, 1))))
+    """
+    by_factor: dict[int, list[tuple[int, int, int]]] = {}
+    for side, index, d, f in _all_splittable_dims(rule):
+        by_factor.setdefault(f, []).append((side, index, d))
+    return tuple((f, tuple(dims)) for f, dims in by_factor.items())
 
 
 @functools.lru_cache(maxsize=4096)
