@@ -4,6 +4,7 @@ filled with NaN), with its collective-permutes over ``pp`` in the compiled HLO."
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -218,6 +219,32 @@ def test_pipelined_step_equals_unpipelined_with_nan_bubbles(config):
     weight_grads = [r for r in colls.of("all-reduce") if r.axes == ("dp",)
                     and any(sh.endswith("8,8]") for sh in r.shapes)]
     assert [(r.count, r.nbytes) for r in weight_grads] == [(1, red.step_bytes)], colls.table()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_padded_split_with_row_groups_equals_unpipelined(schedule, monkeypatch):
+    """A padded split (3, 1): stage 1 runs one of its three slots, the idle ones under
+    ``lax.cond``, per dp row group.  An idle slot reads its weights as the layer lays them out
+    (``Pieces.pass_through``): XLA's verifier refused the program ("Inconsistent conditional
+    sharding"), the idle branch's zero weight gradient laid out otherwise than the layer's."""
+    from jaxpar._src.pipeline import program as pipeline_program
+
+    choose = pipeline_program.choose_split
+    monkeypatch.setattr(pipeline_program, "choose_split", lambda n, **kw: dataclasses.replace(
+        choose(n, **kw), counts=(3, 1)))
+    loss, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": schedule}):
+        cell = jaxpar.PipelineCell(loss, bubble_fill=NAN)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        plan = step.plan(w, x)
+    assert plan.pipeline.split.counts == (3, 1) and plan.pipeline.gradient_reduction.once
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_marked_stages_pipeline_and_an_undifferentiated_loss_runs_forwards_only():
