@@ -4,6 +4,7 @@ filled with NaN), with its collective-permutes over ``pp`` in the compiled HLO."
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -16,7 +17,7 @@ from jaxpar._src.pipeline.layers import find_layers
 from jaxpar._src.pipeline.report import GradientReduction
 from jaxpar._src.pipeline.schedule import PipelineSchedule, Task
 from jaxpar._src.pipeline.slots import SlotTables
-from jaxpar._src.pipeline.split import choose_split
+from jaxpar._src.pipeline.split import BACKWARD_FACTOR, choose_split
 from jaxpar._src.trace import trace
 
 NAN = float("nan")
@@ -91,6 +92,11 @@ def test_split_balances_a_heavy_head():
     assert heavy.counts == (5, 3) and heavy.chunk_cost_s(1) < heavy.even_cost_s
     assert choose_split(8, stages=2, repeats=1, layer_s=1.0, epilogue_s=7.0,
                         max_slots=4).counts == (4, 4)  # the memory budget binds
+    # an idle slot (a padded chunk walks every slot) as dear as a layer: padding never pays
+    assert choose_split(8, stages=2, repeats=1, layer_s=1.0, epilogue_s=7.0,
+                        idle_s=1.0).counts == (4, 4)
+    cheap = choose_split(8, stages=2, repeats=1, layer_s=1.0, epilogue_s=7.0, idle_s=0.1)
+    assert cheap.counts == (5, 3) and cheap.chunk_cost_s(1) == pytest.approx(3 * 3 + 0.6 + 7)
 
 
 def test_split_interleaved_chunks_and_near_ties_prefer_fewer_slots():
@@ -98,6 +104,28 @@ def test_split_interleaved_chunks_and_near_ties_prefer_fewer_slots():
     # 1% faster with three slots is not worth a third slot of memory
     assert choose_split(4, stages=2, repeats=1, layer_s=1.0, epilogue_s=0.03).counts == (2, 2)
 
+
+
+def test_identical_blocks_and_a_light_head_split_evenly():
+    """The 8-block GPT (d=16, vocabulary 64) on S=2: its head and loss cost less than a block
+    on the clock (bench/pipeline_split.py: [4, 4] the fastest split), so the split is even.  It
+    was [7, 1] while each operator cost only its FLOPs and the loss's scalar all-reduce over dp
+    was tripled with the epilogue's backward: the epilogue priced at 143 layers."""
+    _, _, loss_fn, params, batch = _gpt(8)
+    x, y = batch[:, :-1], batch[:, 1:]
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=2,
+                                      pipeline_config={"pipeline_scheduler": "gpipe"}):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss_fn)),
+                                  batch_argnums=(1, 2))
+        split = step.plan(params, x, y).pipeline.split
+    assert split.counts == (4, 4), split
+    one_layer = split.layer_s * (1.0 + BACKWARD_FACTOR)
+    # a block's 68 operators cost more than their FLOPs; the epilogue's collective is priced
+    # once (its backward broadcasts the loss's cotangent)
+    assert split.layer_s > 68 * jaxpar.HardwareProfile().operator_latency
+    assert split.prologue_s < split.epilogue_s < one_layer
 
 # -- the layers found -----------------------------------------------------------------------------
 def _gpt(layers=4):
@@ -218,6 +246,33 @@ def test_pipelined_step_equals_unpipelined_with_nan_bubbles(config):
     weight_grads = [r for r in colls.of("all-reduce") if r.axes == ("dp",)
                     and any(sh.endswith("8,8]") for sh in r.shapes)]
     assert [(r.count, r.nbytes) for r in weight_grads] == [(1, red.step_bytes)], colls.table()
+
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_padded_split_with_row_groups_equals_unpipelined(schedule, monkeypatch):
+    """A padded split (3, 1): stage 1 runs one of its three slots, the idle ones under
+    ``lax.cond``, per dp row group.  An idle slot reads its weights as the layer lays them out
+    (``Pieces.pass_through``): XLA's verifier refused the program ("Inconsistent conditional
+    sharding"), the idle branch's zero weight gradient laid out otherwise than the layer's."""
+    from jaxpar._src.pipeline import program as pipeline_program
+
+    choose = pipeline_program.choose_split
+    monkeypatch.setattr(pipeline_program, "choose_split", lambda n, **kw: dataclasses.replace(
+        choose(n, **kw), counts=(3, 1)))
+    loss, w, x = _toy()
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": schedule}):
+        cell = jaxpar.PipelineCell(loss, bubble_fill=NAN)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=4, batch_argnums=1)
+        value, grad = step(w, x)
+        plan = step.plan(w, x)
+    assert plan.pipeline.split.counts == (3, 1) and plan.pipeline.gradient_reduction.once
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_marked_stages_pipeline_and_an_undifferentiated_loss_runs_forwards_only():

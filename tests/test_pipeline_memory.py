@@ -126,8 +126,12 @@ def test_a_cond_taints_its_outputs_one_by_one():
 
 def test_the_split_respects_the_memory_budget():
     """A heavy head pulls layers to stage 0 (split (5, 3): 5 slots); a budget one byte below
-    that split's estimate leaves at most 4 slots, within it; none fits 1 KB (said so)."""
-    free, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096)
+    that split's estimate leaves at most 4 slots, within it; none fits 1 KB (said so).  Priced
+    by FLOPs alone (``operator_latency=0``): the toy's layers are two operators each, about
+    what an idle slot of a padded chunk costs, so with that priced no padding pays."""
+    flops_only = jaxpar.HardwareProfile(operator_latency=0.0)
+    free, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096,
+                    hardware=flops_only)
     split = free.pipeline.split
     assert split.slots == 5 and split.counts == (5, 3), split
     # padded (stage 1 runs 3 of its 5 slots, each under a lax.cond): a layer stores three
@@ -136,7 +140,8 @@ def test_the_split_respects_the_memory_budget():
     assert free.pipeline.memory.layer_stored == 3 * 16 * 32 * 4
     budget = split.memory_bytes - 1
     tight, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096,
-                     hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+                     hardware=jaxpar.HardwareProfile(memory_per_device=budget,
+                                                     operator_latency=0.0))
     chosen = tight.pipeline.split
     assert chosen.slots == 4 and chosen.fits and chosen.memory_bytes <= budget, chosen
     hopeless, _ = _step(2, 4, {"pipeline_scheduler": "gpipe"}, dp=1, adam=False, head=4096,

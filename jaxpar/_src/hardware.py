@@ -37,6 +37,11 @@ _CPU_COMBINE = (("all-reduce", float(2**63 - 1)),)
 # Paid once per collective call (kernel launch, handshake): NCCL's base latency of its Ring/LL
 # algorithm (src/graph/tuning.cc: baseLat 6.6 us), beside each preset's per-step latencies.
 _LAUNCH = 6.6e-6
+# Paid once per traced operator, whatever its size (dispatch, kernel launch): what a layer of small
+# matrices costs beyond its FLOPs.  CPU: XLA:CPU's thunks on the emulated mesh, about 1 us per
+# operator of a GPT block's forward and backward (bench/pipeline_split.py).  GPUs: an estimate,
+# not measured here (a kernel launch is a few us and XLA fuses several operators into one).
+_OPERATOR = 1e-6
 _GPU_COMBINE = (("all-gather", 30.0 * _MIB + 7), ("all-reduce", 30.0 * _MIB + 7),
                 ("reduce-scatter", 30.0 * _MIB + 7))
 
@@ -49,27 +54,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(flops_per_s=5e10, memory_per_device=8 * _GB, devices_per_node=1 << 30,
                 intra_node_bandwidth=10 * _GB, inter_node_bandwidth=10 * _GB,
                 intra_node_latency=1e-5, inter_node_latency=1e-5, collective_latency=2e-5,
-                combine_threshold_bytes=_CPU_COMBINE, overlap_collectives=False),
+                operator_latency=_OPERATOR, combine_threshold_bytes=_CPU_COMBINE,
+                overlap_collectives=False),
     # DGX A100: NVLink3 300 GB/s per direction inside 8 GPUs, 8x HDR 200 Gb/s IB across nodes.
     "a100": dict(flops_per_s=125e12, memory_per_device=80 * _GB, devices_per_node=8,
                  intra_node_bandwidth=300 * _GB, inter_node_bandwidth=25 * _GB,
                  intra_node_latency=5e-6, inter_node_latency=1.5e-5, collective_latency=_LAUNCH,
-                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
+                 operator_latency=_OPERATOR, combine_threshold_bytes=_GPU_COMBINE,
+                 overlap_collectives=True),
     # DGX H100: NVLink4 450 GB/s per direction, 8x NDR 400 Gb/s IB across nodes.
     "h100": dict(flops_per_s=400e12, memory_per_device=80 * _GB, devices_per_node=8,
                  intra_node_bandwidth=450 * _GB, inter_node_bandwidth=50 * _GB,
                  intra_node_latency=4e-6, inter_node_latency=1.2e-5, collective_latency=_LAUNCH,
-                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
+                 operator_latency=_OPERATOR, combine_threshold_bytes=_GPU_COMBINE,
+                 overlap_collectives=True),
     # H200: H100 compute with 141 GB HBM3e.
     "h200": dict(flops_per_s=400e12, memory_per_device=141 * _GB, devices_per_node=8,
                  intra_node_bandwidth=450 * _GB, inter_node_bandwidth=50 * _GB,
                  intra_node_latency=4e-6, inter_node_latency=1.2e-5, collective_latency=_LAUNCH,
-                 combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
+                 operator_latency=_OPERATOR, combine_threshold_bytes=_GPU_COMBINE,
+                 overlap_collectives=True),
     # Ascend 910 (MindSpore's home): HCCS inside 8 NPUs, 100 GbE RoCE across servers.
     "ascend910": dict(flops_per_s=100e12, memory_per_device=32 * _GB, devices_per_node=8,
                       intra_node_bandwidth=30 * _GB, inter_node_bandwidth=12.5 * _GB,
                       intra_node_latency=1e-5, inter_node_latency=2e-5,
-                      collective_latency=_LAUNCH,
+                      collective_latency=_LAUNCH, operator_latency=_OPERATOR,
                       # Not an XLA backend: priced as XLA:GPU would combine and overlap.
                       combine_threshold_bytes=_GPU_COMBINE, overlap_collectives=True),
 }
@@ -83,7 +92,8 @@ def _items(x: Mapping[str, float] | tuple | None) -> tuple[tuple[str, float], ..
 
 
 _POSITIVE = ("flops_per_s", "memory_per_device", "intra_node_bandwidth", "inter_node_bandwidth")
-_LATENCIES = ("intra_node_latency", "inter_node_latency", "collective_latency")
+_LATENCIES = ("intra_node_latency", "inter_node_latency", "collective_latency",
+              "operator_latency")
 
 
 def _check_number(name: str, value: Any, *, positive: bool) -> None:
@@ -133,6 +143,11 @@ class HardwareProfile:
       intra_node_latency / inter_node_latency: seconds per collective step inside / across.
       collective_latency: seconds every collective pays once, whatever its steps (launch and
         handshake; NCCL's base latency).  20 us for ``cpu``, 6.6 us for the GPU presets.
+      operator_latency: seconds every traced operator pays once, whatever its FLOPs (dispatch,
+        launch).  1 us for every preset (measured for ``cpu``; an estimate for the others).
+        Only the pipeline's stage split prices it: a layer of small matrices costs its
+        operators' count more than its FLOPs, and without it a scalar collective in the
+        epilogue outweighed dozens of such layers.
       combine_threshold_bytes: per collective kind (``"all-reduce"``, ``"all-gather"``,
         ``"reduce-scatter"``), the largest combined collective XLA's combiner builds; kinds left
         out are not combined.  ``cpu``: all-reduces without limit; GPU presets: 30 MiB each.
@@ -157,6 +172,7 @@ class HardwareProfile:
     intra_node_latency: float | None = None
     inter_node_latency: float | None = None
     collective_latency: float | None = None
+    operator_latency: float | None = None
     combine_threshold_bytes: Mapping[str, float] | tuple | None = None
     combine_threshold_count: int = 256
     overlap_collectives: bool | None = None

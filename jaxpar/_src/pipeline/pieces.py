@@ -137,11 +137,32 @@ class Pieces:
             if not p.split.padded:
                 return self.layer(w, c, rest, batch), None
             out = jax.lax.cond(on, lambda c: self.layer(w, c, rest, batch),
-                               lambda c: self.constrain_vids(c, p.carried_in), c)
+                               lambda c: self.pass_through(w, c, on), c)
             return out, None
 
         out, _ = jax.lax.scan(slot, list(carried), (list(weights), active), length=k)
         return out
+
+
+    def pass_through(self, weights: Sequence[Any], carried: Sequence[Any], on: Any
+                     ) -> list[Any]:
+        """An idle slot: its input, unchanged.  It reads its weights, laid out as the layer
+        lays them out, through ``where(on, sum(w), 0)`` (0 here; a select, so a NaN-filled
+        slot stays out): transposed, each weight's zero cotangent carries the layer's layout,
+        where a weight not read gets an unconstrained zero and XLA refuses a conditional whose
+        branches return one value laid out two ways (the grouped gradient ``[G, ...]``
+        split over the row axes in the active branch)."""
+        p = self.p
+        rep = p.layers.layers[p.rep]
+        out = list(carried)
+        first = next((i for i, c in enumerate(out) if is_float(c)), None)
+        if first is not None:
+            ws = [self.constrain(w, self.spec(rep.weights[j]))
+                  for w, j in zip(weights, p.stacked, strict=True) if is_float(w)]
+            tie = sum((jnp.sum(w).astype(out[first].dtype) for w in ws),
+                      jnp.zeros((), out[first].dtype))
+            out[first] = out[first] + jnp.where(on, tie, jnp.zeros_like(tie))
+        return self.constrain_vids(out, p.carried_in)
 
 
 def is_float(x: Any) -> bool:

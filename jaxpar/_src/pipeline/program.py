@@ -211,7 +211,8 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         split = choose_split(n, stages=S, repeats=config.repeats, layer_s=costs["layer_s"],
                              prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
                              max_slots=max_slots, layer_bytes=costs["layer_bytes"],
-                             residual_bytes=costs["residual_bytes"], fits=fits)
+                             residual_bytes=costs["residual_bytes"], fits=fits,
+                             idle_s=costs["idle_s"])
         split = dataclasses.replace(split, memory_bytes=need(split.slots))
     rep_layer = layers.layers[rep]
     groups = row_groups(
@@ -381,15 +382,19 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
     mesh = plan.mesh
 
     assert hardware.flops_per_s is not None  # a profile fills every field
-    flops_per_s = float(hardware.flops_per_s)
+    assert hardware.operator_latency is not None
+    flops_per_s, per_op = float(hardware.flops_per_s), float(hardware.operator_latency)
 
-    def seconds(nodes: Sequence[int]) -> float:
-        total = 0.0
+    def seconds(nodes: Sequence[int]) -> tuple[float, float]:
+        """Compute (FLOPs and each operator's fixed cost) and collectives, apart."""
+        compute = comm = 0.0
         for nid in nodes:
             for inner in _nested(graph, nid):
                 d = plan.decisions[inner]
-                total += d.flops / flops_per_s + d.comm_time
-        return total
+                compute += d.flops / flops_per_s
+                compute += per_op if graph.nodes[inner].kind is NodeKind.OP else 0.0
+                comm += d.comm_time
+        return compute, comm
 
     def local_bytes(vid: int) -> float:
         v = graph.values[vid]
@@ -399,10 +404,20 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
 
     residual = sum(local_bytes(v) for nid in rep.nodes for inner in _nested(graph, nid)
                    if graph.nodes[inner].kind is NodeKind.OP for v in graph.nodes[inner].outputs)
+    epi_compute, epi_comm = seconds(parts["epi_nodes"])
     return {
-        "layer_s": seconds(rep.nodes),
-        "prologue_s": seconds(parts["pro_nodes"]),
-        "epilogue_s": seconds(parts["epi_nodes"]) * (1.0 + BACKWARD_FACTOR),
+        "layer_s": sum(seconds(rep.nodes)),
+        "prologue_s": sum(seconds(parts["pro_nodes"])),
+        # The backward costs about twice the forward's compute, but not its collectives: the
+        # epilogue's usual one is the loss's sum over the rows split on the data axes, whose
+        # transpose broadcasts a replicated cotangent (no data moves).  Tripled with the rest,
+        # that one scalar all-reduce priced the test GPT's epilogue at 143 of its layers (its
+        # 8 blocks split [7, 1]; the clock: [4, 4] 16-36% less CPU per step,
+        # bench/pipeline_split.py).
+        "epilogue_s": epi_compute * (1.0 + BACKWARD_FACTOR) + epi_comm,
+        # an idle slot touches each stacked weight (its gradient zeroed in the backward) and
+        # each carried value (passed through) once
+        "idle_s": per_op * (len(rep.weights) + len(rep.act_in) + len(parts["carried_shared"])),
         "layer_bytes": sum(local_bytes(v) for v in rep.weights),
         "residual_bytes": residual,
         "rest_bytes": sum(local_bytes(v) for v in parts["rest"]),

@@ -8,7 +8,9 @@ the cost model (the plan's FLOPs at the profile's FLOP rate plus its collectives
 micro-batch), by dynamic programming over contiguous partitions (Alpa's stage DP, here with the
 lock-step objective), under the memory budget: the weights are stacked with as many slots as the
 largest chunk, so a per-device memory estimate bounds ``max k``.  Among splits within 2% of the
-fastest, the one with the fewest slots (least memory) wins.
+fastest, the one with the fewest slots (least memory) wins.  A padded chunk (fewer layers than
+the slots) is not free: every stage walks all the slots, an idle one under ``lax.cond`` passing
+its input through and zeroing its weights' gradients (``idle_s`` per idle slot, its forward).
 
 >>> s = choose_split(8, stages=2, repeats=1, layer_s=1.0, prologue_s=0.1, epilogue_s=7.0)
 >>> s.counts  # head and loss, forward and backward, cost more than two layers: one layer moves
@@ -40,6 +42,7 @@ class StageSplit:
       fits: whether the memory estimate fits the budget.
       memory_bytes: the memory estimate per device the budget was checked with, for this
         split's slots (``memory.split_bytes``; 0 for marked stages: not checked).
+      idle_s: an idle slot's forward (a padded chunk's slots beyond its layers).
     """
 
     counts: tuple[int, ...]
@@ -53,6 +56,7 @@ class StageSplit:
     even_cost_s: float = 0.0
     fits: bool = True
     memory_bytes: float = 0.0
+    idle_s: float = 0.0
 
     @property
     def chunks(self) -> int:
@@ -78,7 +82,7 @@ class StageSplit:
     def chunk_cost_s(self, chunk: int) -> float:
         """A chunk's forward and backward, with the prologue or epilogue it carries."""
         return _chunk_cost(self.counts[chunk], chunk, self.chunks, self.layer_s,
-                           self.prologue_s, self.epilogue_s)
+                           self.prologue_s, self.epilogue_s, self.slots, self.idle_s)
 
     def stage_lines(self) -> list[str]:
         out = []
@@ -96,8 +100,8 @@ class StageSplit:
 
 
 def _chunk_cost(k: int, chunk: int, chunks: int, layer_s: float, prologue_s: float,
-                epilogue_s: float) -> float:
-    cost = k * layer_s * (1.0 + BACKWARD_FACTOR)
+                epilogue_s: float, slots: int = 0, idle_s: float = 0.0) -> float:
+    cost = (k * layer_s + max(slots - k, 0) * idle_s) * (1.0 + BACKWARD_FACTOR)
     if chunk == 0:
         cost += prologue_s * (1.0 + BACKWARD_FACTOR)
     if chunk == chunks - 1:
@@ -108,7 +112,8 @@ def _chunk_cost(k: int, chunk: int, chunks: int, layer_s: float, prologue_s: flo
 def choose_split(layers: int, *, stages: int, repeats: int, layer_s: float,
                  prologue_s: float = 0.0, epilogue_s: float = 0.0,
                  max_slots: int | None = None, layer_bytes: float = 0.0,
-                 residual_bytes: float = 0.0, fits: bool = True) -> StageSplit:
+                 residual_bytes: float = 0.0, fits: bool = True,
+                 idle_s: float = 0.0) -> StageSplit:
     """The split of ``layers`` identical layers into ``stages * repeats`` chunks whose most
     expensive chunk is cheapest, with at most ``max_slots`` layers per chunk (memory).
 
@@ -120,24 +125,28 @@ def choose_split(layers: int, *, stages: int, repeats: int, layer_s: float,
         raise ValueError(f"{layers} layers cannot fill {C} chunks")
     even = -(-layers // C)
     cap = max(even, min(max_slots or layers, layers - C + 1))
-    fastest = _partition(layers, C, cap, layer_s, prologue_s, epilogue_s)[0]
+    # each slot count priced with its idle slots (a chunk shorter than the slots pays them)
+    best = {k: _partition(layers, C, k, layer_s, prologue_s, epilogue_s, idle_s)
+            for k in range(even, cap + 1)}
+    fastest = min(worst for worst, _ in best.values())
     # Costs are estimates: among splits within SLACK of the fastest, the fewest slots win
     # (stacked weights and residuals grow with the largest chunk).
     for k in range(even, cap + 1):
-        worst, counts = _partition(layers, C, k, layer_s, prologue_s, epilogue_s)
+        worst, counts = best[k]
         if worst <= fastest * (1.0 + SLACK) + 1e-30:
             break
     base = [layers // C + (1 if c < layers % C else 0) for c in range(C)]
-    even_cost = max(_chunk_cost(k, c, C, layer_s, prologue_s, epilogue_s)
+    even_cost = max(_chunk_cost(k, c, C, layer_s, prologue_s, epilogue_s, even, idle_s)
                     for c, k in enumerate(base))
     return StageSplit(tuple(counts), stages, layer_s, prologue_s, epilogue_s, layer_bytes,
-                      residual_bytes, "balanced", even_cost, fits)
+                      residual_bytes, "balanced", even_cost, fits, idle_s=idle_s)
 
 
 def _partition(layers: int, C: int, cap: int, layer_s: float, prologue_s: float,
-               epilogue_s: float) -> tuple[float, list[int]]:
+               epilogue_s: float, idle_s: float = 0.0) -> tuple[float, list[int]]:
     """The contiguous split of ``layers`` into ``C`` chunks of at most ``cap`` layers whose
-    slowest chunk is fastest: ``(its cost, counts)``; ties go to the most even split."""
+    slowest chunk is fastest, each chunk walking ``cap`` slots: ``(its cost, counts)``; ties
+    go to the most even split."""
     inf = float("inf")
     best = [[(inf, inf)] * (layers + 1) for _ in range(C + 1)]  # (slowest, spread)
     choice = [[0] * (layers + 1) for _ in range(C + 1)]
@@ -148,7 +157,7 @@ def _partition(layers: int, C: int, cap: int, layer_s: float, prologue_s: float,
                 prev = best[c - 1][i - k]
                 if prev[0] == inf:
                     continue
-                cost = _chunk_cost(k, c - 1, C, layer_s, prologue_s, epilogue_s)
+                cost = _chunk_cost(k, c - 1, C, layer_s, prologue_s, epilogue_s, cap, idle_s)
                 cand = (max(prev[0], cost), max(prev[1], k))
                 if cand < best[c][i]:
                     best[c][i], choice[c][i] = cand, k
