@@ -276,6 +276,39 @@ def test_the_executable_is_written_in_the_background_and_a_second_process_loads_
     assert LOADED_NOTE in again.plan(*args).notes[-1]
 
 
+def test_a_kept_executable_is_not_also_written_to_jax_compilation_cache(cache_dir, tmp_path):
+    """With JAX's persistent compilation cache on too, the program whose executable the plan
+    cache keeps is not serialized into JAX's cache a second time (a later process loads it
+    from the plan cache and never asks JAX's); other programs of the process still are."""
+    import subprocess
+    import sys
+    import textwrap
+
+    jax_dir = tmp_path / "jax-cache"
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp
+        jax.config.update("jax_num_cpu_devices", 8)
+        jax.config.update("jax_compilation_cache_dir", {str(jax_dir)!r})
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        import jaxpar
+        from tests.test_executable_cache import _args, _auto
+        jaxpar.config.update("plan_cache_dir", {str(cache_dir)!r})
+        args = _args()
+        _auto(jaxpar.make_mesh((2, 4), ("dp", "mp")))(*args)
+        def other(x):
+            return jnp.sin(x) * 3
+        jax.jit(other)(args[0])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(jaxpar.__file__)),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    assert len(_executables(cache_dir)) == 1  # kept in the plan cache
+    written = [p for p in os.listdir(jax_dir) if p.endswith("-cache")]
+    assert any(p.startswith("jit_other") for p in written), written  # JAX's cache works
+    assert not any(p.startswith("jit__mlp") for p in written), written  # not a second copy
+
+
 def test_old_executables_of_a_plan_are_pruned(cache_dir, monkeypatch):
     """Each LIBTPU_INIT_ARGS (part of the executable's key, not the plan's) adds an executable
     beside the same plan entry; only the KEEP_PER_PLAN most recent stay, the newest loads."""

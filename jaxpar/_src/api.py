@@ -223,7 +223,8 @@ class Parallelized:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(full)):
             return None  # called inside a transformation: no executable of its own to keep
         directory, key = entry.pending.pop()
-        compiled = compile_to_keep(entry.jitted.lower(*full))
+        # kept in the plan cache, which a later process reads: not also in JAX's cache
+        compiled = compile_to_keep(entry.jitted.lower(*full), jax_cache_write=False)
         return None if compiled is None else (directory, key, compiled)
 
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None

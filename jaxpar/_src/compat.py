@@ -211,6 +211,23 @@ def trace_context() -> Any:
     return _trace_context()
 
 
+@contextlib.contextmanager
+def no_compilation_cache_write() -> Iterator[None]:
+    """XLA compiles in the block (on this thread) are not written to JAX's persistent
+    compilation cache; they are still looked up in it.  (JAX writes an entry only when the
+    compile took at least ``jax_persistent_cache_min_compile_time_secs``: that setting is
+    raised to infinity for the block, for this thread only.)"""
+    try:
+        from jax._src import config as _config
+
+        min_time = _config.persistent_cache_min_compile_time_secs
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX that moved it: write
+        yield
+        return
+    with min_time(float("inf")):
+        yield
+
+
 def is_tracer(x: Any) -> bool:
     """True for values seen while JAX traces a function."""
     return isinstance(x, jax.core.Tracer)

@@ -35,7 +35,8 @@ adds one, and the older ones are deleted when a new one is written.
 An executable that JAX's persistent compilation cache served (a process that found no plan, or
 no executable, but whose program JAX's cache holds) is not kept: serialized again it would not
 run on XLA:CPU (:func:`compile_to_keep`); such a process runs as without executables, lowering
-and reading JAX's cache.
+and reading JAX's cache.  Conversely an executable kept here is not also written to JAX's
+cache (:func:`compile_to_keep`): the later process loads it from here without asking JAX's.
 
 The loaded executable (a ``jax.stages.Compiled``) accepts arguments ``jax.jit`` would trace anew
 (a weakly typed scalar where the plan's was strongly typed, another JAX configuration), so
@@ -73,7 +74,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from jaxpar._src.cache_key import aval_key, static_key
-from jaxpar._src.compat import checked_cpp_call, trace_context
+from jaxpar._src.compat import checked_cpp_call, no_compilation_cache_write, trace_context
 from jaxpar._src.dispatch import Retrace
 from jaxpar._src.errors import JaxparWarning, PlanError, warn_once
 from jaxpar._src.plan_cache import (
@@ -131,11 +132,17 @@ def executable_key(plan_digest: str, plan_text_sha: str, *, signature: Sequence[
     return ExecutableKey(plan_digest, digest, description)
 
 
-def compile_to_keep(lowered: Any) -> Any | None:
+def compile_to_keep(lowered: Any, *, jax_cache_write: bool = True) -> Any | None:
     """``lowered.compile()``, or ``None`` when JAX's persistent compilation cache served it:
     an executable read back from that cache and serialized again loads, but fails when run on
     XLA:CPU (JAX 0.10: "Function ... not found"), so only one XLA compiled here is kept.  (The
-    call's ``jax.jit`` then finds JAX's executable in its own caches.)"""
+    call's ``jax.jit`` then finds JAX's executable in its own caches.)
+
+    ``jax_cache_write=False``: what XLA compiles is not also written to JAX's persistent cache
+    (still read from it), for an executable the caller keeps in the plan cache: a later process
+    whose plan is a hit loads it from there and never asks JAX's cache, so a second copy there
+    would only cost the first call a second serialization (0.7 s of the main thread's CPU for
+    the 24-layer GPT step of ``bench/first_call.py`` at load 9)."""
     hits = []
 
     def listen(event: str, **_: Any) -> None:
@@ -144,7 +151,8 @@ def compile_to_keep(lowered: Any) -> Any | None:
 
     jax.monitoring.register_event_listener(listen)
     try:
-        compiled = lowered.compile()
+        with contextlib.nullcontext() if jax_cache_write else no_compilation_cache_write():
+            compiled = lowered.compile()
     finally:
         jax.monitoring.unregister_event_listener(listen)
     return None if hits else compiled

@@ -118,37 +118,49 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
 
     Checkpoint bodies keep every constraint.  ``tests/test_lower.py`` checks that the compiled
     program (collectives, instructions, memory) is the fully constrained one's."""
+    nodes, values, decisions = graph.nodes, graph.values, plan.decisions
+
     def keeps_layout(node: Node) -> bool:
         if node.kind is not NodeKind.OP or node.name not in _ELEMENTWISE or \
                 len(node.outputs) != 1 or node.remat is not None:
             return False
-        d = plan.decisions[node.id]
-        spec, shape = d.out_specs[0], graph.values[node.outputs[0]].shape
+        d = decisions[node.id]
+        spec, shape = d.out_specs[0], values[node.outputs[0]].shape
+        dims, rank = spec.dims, len(shape)
         covered: set[int] = set()  # the result's split dimensions some operand is split on
         for operand, read in zip(node.inputs, d.in_specs, strict=True):
             if isinstance(operand, Const):
                 if operand.shape:
                     return False
                 continue
-            v = graph.values[operand]
+            v = values[operand]
             if not v.shape and shape:  # a scalar operand (Adam's bias correction) has no layout
                 continue
-            made = plan.decisions[v.producer].out_specs[v.index]
-            if read != made or not len(v.shape) == len(shape) == len(read.dims) == \
-                    len(spec.dims):  # (ZeRO's restacked partial sums carry one more)
-                return False
-            for k, (n, want, got) in enumerate(zip(v.shape, spec.dims, read.dims, strict=True)):
+            if read != decisions[v.producer].out_specs[v.index] or not \
+                    len(v.shape) == rank == len(read.dims) == len(dims):
+                return False  # (ZeRO's restacked partial sums carry one more dimension)
+            for k, (n, want, got) in enumerate(zip(v.shape, dims, read.dims, strict=True)):
                 if n == shape[k] and got == want:
                     covered.add(k)
                 elif got or n != 1:
                     return False  # a size-1 dimension (broadcast) stays whole
-        return all(k in covered for k, axes in enumerate(spec.dims) if axes)
+        return all(k in covered for k, axes in enumerate(dims) if axes)
 
-    def read_as_made(vid: int, spec: Spec, readers: frozenset[NodeKind]) -> bool:
+    def readers_as_made(vid: int, spec: Spec) -> frozenset[NodeKind] | None:
+        """The kinds of node that read ``vid`` (of :data:`_READERS`), if every reader is an
+        operator or a result outside checkpoint bodies and takes it in ``spec``; else ``None``.
+        (A loop's or branch's crossing has its own layouts: its kind is checked first.)"""
         uses = graph.consumers[vid]
-        return bool(uses) and all(
-            graph.nodes[u.consumer].kind in readers and graph.nodes[u.consumer].remat is None and
-            plan.decisions[u.consumer].in_specs[u.in_index] == spec for u in uses)
+        if not uses:
+            return None
+        kinds = set()
+        for u in uses:
+            reader = nodes[u.consumer]
+            if reader.kind not in _READERS or reader.remat is not None or \
+                    decisions[u.consumer].in_specs[u.in_index] != spec:
+                return None
+            kinds.add(reader.kind)
+        return frozenset(kinds)
 
     def follows_operands(node: Node) -> bool:
         d = plan.decisions[node.id]
@@ -175,17 +187,17 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
                    graph.nodes[u.consumer].name not in _LIGHT) <= 1
 
     scattered = {nid for nid, _ in plan.scatters}  # ZeRO's reduce-scatters: written by hand
-    inner = {n.id for n in graph.nodes if keeps_layout(n)}
+    inner = {n.id for n in nodes if keeps_layout(n)}
     loose = set()
-    for node in graph.nodes:
+    for node in nodes:
         if node.kind is not NodeKind.OP or node.remat is not None:
             continue
-        for vid, spec in zip(node.outputs, plan.decisions[node.id].out_specs, strict=True):
-            if node.id in inner and read_as_made(vid, spec, _READERS) and one_heavy_reader(vid):
-                loose.add(vid)
-            elif read_as_made(vid, spec, _RESULTS):
-                loose.add(vid)
-            elif read_as_made(vid, spec, _READERS) and follows_operands(node):
+        for vid, spec in zip(node.outputs, decisions[node.id].out_specs, strict=True):
+            kinds = readers_as_made(vid, spec)
+            if kinds is None:
+                continue  # read in another layout, in a checkpoint body or by a loop
+            if node.id in inner and one_heavy_reader(vid) or kinds <= _RESULTS or \
+                    follows_operands(node):
                 loose.add(vid)
     return frozenset(loose)
 
