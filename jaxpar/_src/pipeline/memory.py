@@ -27,10 +27,13 @@ what the probe of :mod:`residuals` found, and :func:`loop_memory` counts those l
 plan adds the loop's total as a temporary of the loop operator
 (:func:`jaxpar._src.program_memory.lowered_memory`), so ``plan.memory_bytes`` is the step's
 arguments (parameters, optimizer state, split by ZeRO as planned), results, temporaries, and the
-loop.  Against ``compiled.memory_analysis()`` (``bench/pipeline_memory.py``, README): 0.97-1.05
-of the compiled total on 18 GPT rows (GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off and
-level 1, stored and recomputed residuals, row groups on and off); the residual is where XLA
-writes part of a tick's transient in place (over) or copies an accumulator once more (under).
+loop.  Against ``compiled.memory_analysis()`` (``bench/pipeline_memory.py``, README): 0.95-1.06
+of the compiled total on 15 of 18 GPT rows (GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off
+and level 1, stored residuals, row groups on and off; recomputed without row groups) and
+1.10-1.16 on the three that recompute with row groups; the residual is where XLA writes part
+of a tick's transient in place or into the step's outputs not yet made (over: the loop is one
+temporary here, larger than any output, so it shares none) or copies an accumulator once more
+(under).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
