@@ -238,12 +238,12 @@ def _child(kind: str, layers: int, plan_dir: str, xla_dir: str, specs_path: str)
     _timed(importlib.import_module("jax._src.interpreters.pxla"), "shard_args", spent, "shard")
     collecting = _gc_clock()  # Python's cyclic collector, in both kinds
     if kind == "jaxpar":
-        from jaxpar._src import api, executable_cache, trace
+        from jaxpar._src import api, executable_cache, placing, trace
 
         _timed(trace._Builder, "build", spent, "graph")
         _timed(api, "trace", spent, "trace")
         _timed(api, "plan_cache_key", spent, "key")
-        _timed(api, "_place_all", spent, "place")  # the arguments moved to the plan's layouts
+        _timed(placing, "place_all", spent, "place")  # the arguments moved to the plan's layouts
         _timed(executable_cache, "store_executable", spent, "store")  # a background thread
         jaxpar.config.update("plan_cache_dir", plan_dir)
         t0 = time.perf_counter()

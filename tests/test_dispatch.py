@@ -142,7 +142,7 @@ def test_arguments_are_placed_in_one_transfer(monkeypatch):
     """The leaves not yet where the plan wants them move in one ``jax.device_put`` (JAX batches
     its transfers); leaves already there and Python scalars pass as they
     are, and every placed leaf has the plan's layout and its values."""
-    from jaxpar._src import api
+    from jaxpar._src import placing
 
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     row, rep = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
@@ -151,8 +151,8 @@ def test_arguments_are_placed_in_one_transfer(monkeypatch):
     shardings = [row, row, rep, rep, rep]
     calls = []
     real = jax.device_put
-    monkeypatch.setattr(api.jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
-    out = api._place_all(leaves, shardings)
+    monkeypatch.setattr(placing.jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
+    out = placing.place_all(leaves, shardings)
     assert len(calls) == 1 and len(calls[0][0]) == 2  # the two uncommitted arrays, together
     assert out[1] is there and out[2] == 3.0 and out[4] is leaves[4]
     for x, y, s in zip(leaves, out, shardings, strict=True):

@@ -49,6 +49,7 @@ from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, opti
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
+from jaxpar._src.placing import abstract_as, place_leaf, placed_as
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import (
     TEXT_SHA,
@@ -186,7 +187,7 @@ class Parallelized:
         args = self._info.bind(args, kwargs)
         entry = self._compiled(args)
         with paused_gc():  # shapes and layouts only: lowering moves no data
-            return entry.jitted.lower(*self._placed(args, entry, _abstract))
+            return entry.jitted.lower(*self._placed(args, entry, abstract_as))
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The :class:`ShardingPlan` for these arguments (only their shapes and dtypes matter)."""
@@ -231,7 +232,8 @@ class Parallelized:
                 ) -> list:
         """The arguments moved to the layouts the plan takes them in (arrays placed elsewhere,
         e.g. batches on another mesh, are resharded); with ``place``, what it makes of each."""
-        return _placed_as(args, self._info.static_argnums, entry.in_shardings, place or _place)
+        return placed_as(args, self._info.static_argnums, entry.in_shardings,
+                         place or place_leaf)
 
     def _settings(self, args: tuple) -> Settings:
         ctx = current_context()
@@ -459,8 +461,8 @@ class Parallelized:
                 jitted = self._jit(program, plan, settings.mesh, settings, arrivals)
                 # Lowered from the arguments as the call places them, so that the call's
                 # jax.jit finds this lowering and executable in its caches: no second compile.
-                lowered = jitted.lower(*_placed_as(args, info.static_argnums, flat_in,
-                                                   _abstract))
+                lowered = jitted.lower(*placed_as(args, info.static_argnums, flat_in,
+                                                  abstract_as))
                 keep = compile_to_keep(lowered)  # None: JAX's persistent cache served it
                 compiled = keep if keep is not None else lowered.compile()  # (now in memory)
                 self._rungs[key] = Rung(policies, program, batch, plan,
@@ -707,54 +709,6 @@ def _mesh_context(mesh: Mesh) -> Iterator[None]:
     (tracing gets the abstract mesh from ``tracing_with``)."""
     with jax.set_mesh(mesh):
         yield
-
-
-def _placed_as(args: tuple, static: Sequence[int], in_shardings: tuple[Any, ...],
-               place: Callable[[Any, Any], Any]) -> list:
-    """``args`` with ``place(leaf, sharding)`` for each dynamic leaf (static ones as they are)."""
-    dyn = [a for i, a in enumerate(args) if i not in static]
-    leaves, tree = jax.tree.flatten(dyn)
-    if place is _place:
-        placed = _place_all(leaves, in_shardings)
-    else:
-        placed = [place(x, s) for x, s in zip(leaves, in_shardings, strict=True)]
-    it = iter(jax.tree.unflatten(tree, placed))
-    return [a if i in static else next(it) for i, a in enumerate(args)]
-
-
-def _abstract(x: Any, sharding: Any) -> Any:
-    """An array as its shape, dtype and the plan's layout (what ``lower`` needs: moving the
-    data there would compile and run resharding programs for nothing)."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
-    return x
-
-
-def _moves(x: Any, sharding: Any) -> bool:
-    """Whether ``x`` is an array not yet laid out as ``sharding``."""
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-        return False
-    try:
-        return not x.sharding.is_equivalent_to(sharding, x.ndim)
-    except Exception:  # noqa: BLE001 - different device sets compare by moving
-        return True
-
-
-def _place(x: Any, sharding: Any) -> Any:
-    return jax.device_put(x, sharding) if _moves(x, sharding) else x
-
-
-def _place_all(leaves: Sequence[Any], shardings: Sequence[Any]) -> list:
-    """``leaves`` laid out as ``shardings``: the ones that move in one ``jax.device_put`` (JAX
-    batches the transfers of one call: 0.48-0.63 s against 0.62-1.2 s leaf by leaf for the
-    24-layer GPT's 880 replicated leaves on 8 CPU devices)."""
-    out = list(leaves)
-    move = [i for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)) if _moves(x, s)]
-    if move:
-        for i, y in zip(move, jax.device_put([leaves[i] for i in move],
-                                             [shardings[i] for i in move]), strict=True):
-            out[i] = y
-    return out
 
 
 def parallelize(
