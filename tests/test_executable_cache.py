@@ -354,3 +354,46 @@ def test_prune_keeps_the_most_recent_and_removes_a_killed_writers_old_temporary(
         [f"plan.{i}.xla" for i in range(4)] + [".plan.5.xla.abc.tmp"])
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["plan.4.xla", "plan.5.xla", "other.0.xla", ".plan.6.xla.def.tmp"])
+
+
+def _hint_bytes(name, out_tree):
+    import pickle
+
+    from jaxpar._src import preload
+
+    return preload._HINT_FORMAT + pickle.dumps((name, out_tree))
+
+
+@pytest.mark.parametrize("hint", ["as left", "garbage", "another file", "another out tree"])
+def test_the_hinted_executable_is_loaded_while_the_call_traces_and_a_wrong_hint_is_dropped(
+        cache_dir, monkeypatch, hint):
+    """The first callable leaves a hint (preload.py); a new callable deserializes the file it
+    names while it traces and runs it, not loading it again; a hint that cannot be read, names
+    another file or another output tree is dropped: the call loads the executable as without
+    it, silently, with the same numbers."""
+    import warnings
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    want = np.asarray(_auto(mesh)(*args))
+    (name,) = _executables(cache_dir)
+    (digest,) = os.listdir(cache_dir / "hints")
+    path = cache_dir / "hints" / digest
+    out_tree = jax.tree.structure(want)
+    path.write_bytes({"as left": path.read_bytes(), "garbage": b"\x00not a hint",
+                      "another file": _hint_bytes("0" * 64 + ".xla", out_tree),
+                      "another out tree": _hint_bytes(name, jax.tree.structure((want,)))}[hint])
+    loads = []
+    original = api.load_executable
+    monkeypatch.setattr(api, "load_executable", lambda *a, **k: loads.append(1) or original(
+        *a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxpar.JaxparWarning)
+        again = _auto(mesh)
+        got = again(*args)
+    assert LOADED_NOTE in again.plan(*args).notes[-1]
+    assert len(loads) == (0 if hint == "as left" else 1)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert os.listdir(cache_dir / "hints") == [digest]
+    if hint != "as left":  # the call left the right hint again
+        assert (cache_dir / "hints" / digest).read_bytes() == _hint_bytes(name, out_tree)

@@ -32,6 +32,8 @@ def test_calibrated_profile_is_measured_saved_and_loaded(mesh, tmp_path):
     assert all(b > 0 for _, b in hw.axis_bandwidth) and all(a >= 0 for _, a in hw.axis_latency)
     assert hw.flops_per_s > 1e6 and hw.memory_per_device > 2**20
     assert result.memory_bandwidth > 1e6
+    # a traced operator's fixed cost: about 1 us on this emulated mesh, well under a ms anywhere
+    assert 0 < result.operator_latency < 1e-3 and hw.operator_latency == result.operator_latency
     assert {(m.axis, m.kind, m.group) for m in result.measurements} == {
         (a, k, n) for a, n in (("dp", 2), ("mp", 4)) for k in ("all-reduce", "all-gather")} | {
         ("dp+mp", "all-reduce", 8)}  # the joint all-reduce, beside the per-axis fits

@@ -13,7 +13,12 @@ What is measured, with every device of the mesh busy at once (as in a training s
   one device while all devices stream a buffer (``Calibration.memory_bandwidth``, for the
   roofline of :func:`jaxpar.inspect.yardstick`);
 * the memory of one device (the allocator's limit on accelerators; RAM over the devices that
-  share it on CPU).
+  share it on CPU);
+* the fixed cost of one operator (``HardwareProfile.operator_latency``, what the pipeline's
+  stage split charges each traced operator beside its FLOPs): the forward and backward of a
+  small residual block (layer norm, two ``16 x 32`` matmuls, gelu) per loop trip, its FLOPs'
+  time at the measured rate taken off, divided by the operators its forward traces to, times
+  ``1 + BACKWARD_FACTOR`` (the split's own accounting of a backward).
 
 Each time is the *slope* of a ``fori_loop`` that repeats the operation: the program is called
 with ``lo`` and ``hi`` trips (one compile: the trip count is an argument), and
@@ -46,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -53,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar._src.errors import ContextError
 from jaxpar._src.hardware import HardwareProfile
+from jaxpar._src.pipeline.split import BACKWARD_FACTOR
 from jaxpar._src.yardstick import ring_terms
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -92,6 +99,7 @@ class Calibration:
     flops_per_s: float
     memory_per_device: float
     memory_bandwidth: float  # bytes/s one device reads + writes while all devices stream
+    operator_latency: float  # seconds one traced operator costs beyond its FLOPs
     seconds: float  # wall time of the calibration
     mesh: tuple[tuple[str, int], ...]
     device_kind: str
@@ -103,6 +111,7 @@ class Calibration:
                 "mesh": dict(self.mesh), "device_kind": self.device_kind,
                 "seconds": self.seconds, "jax": jax.__version__,
                 "memory_bandwidth": self.memory_bandwidth,
+                "operator_latency": self.operator_latency,
                 "axis_fits": {a: dataclasses.asdict(f) for a, f in self.axis_fits},
                 "kind_fits": [{"axis": a, "kind": k, **dataclasses.asdict(f)}
                               for a, k, f in self.kind_fits],
@@ -121,7 +130,8 @@ class Calibration:
         lines = [f"calibrated in {self.seconds:.1f} s on {self.device_kind}, mesh "
                  f"{dict(self.mesh)}: {self.flops_per_s / 1e9:.3g} GFLOP/s per device, "
                  f"{self.memory_per_device / 2**30:.3g} GiB and "
-                 f"{self.memory_bandwidth / 1e9:.3g} GB/s of memory traffic per device"]
+                 f"{self.memory_bandwidth / 1e9:.3g} GB/s of memory traffic per device, "
+                 f"{self.operator_latency * 1e6:.3g} us per operator"]
         for axis, fit in self.axis_fits:
             lines.append(f"axis {axis}: alpha {fit.alpha * 1e6:.3g} us/step, beta "
                          f"{fit.beta / 1e9:.3g} GB/s (rms rel. error {fit.rms_rel_error:.0%}, "
@@ -186,7 +196,7 @@ def measure(mesh: Mesh | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
     if len(axes) > 1 and "all-reduce" in kinds:
         joint = tuple(a for a, _ in axes)
         jobs += [(joint, mesh.size, "all-reduce", int(s)) for s in sizes]
-    bar = _Progress(len(jobs) + 2, progress)
+    bar = _Progress(len(jobs) + 3, progress)
     measurements = []
     for group, n, kind, size in jobs:
         label = "+".join(group)
@@ -198,16 +208,18 @@ def measure(mesh: Mesh | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
     flops = _flop_rate(mesh, rounds)
     bar.update("memory bandwidth")
     bandwidth = _memory_bandwidth(mesh, rounds)
+    bar.update("operator latency")
+    per_op = _operator_latency(mesh, rounds, flops)
     bar.close()
     memory = _memory_per_device(mesh)
     axis_fits = tuple((a, _fit([m for m in measurements if m.axis == a])) for a, _ in axes)
     labels = list(dict.fromkeys(m.axis for m in measurements))
     kind_fits = tuple((a, k, _fit(pts)) for a in labels for k in kinds
                       if (pts := [m for m in measurements if m.axis == a and m.kind == k]))
-    profile = _profile(mesh, axis_fits, flops, memory)
+    profile = _profile(mesh, axis_fits, flops, memory, per_op)
     kind = mesh.devices.flat[0].device_kind
     return Calibration(profile, tuple(measurements), axis_fits, kind_fits, flops, memory,
-                       bandwidth, time.perf_counter() - t0, tuple((str(a), int(n))
+                       bandwidth, per_op, time.perf_counter() - t0, tuple((str(a), int(n))
                                                       for a, n in mesh.shape.items()), kind)
 
 
@@ -247,8 +259,8 @@ def _fit(points: Sequence[Measurement]) -> Fit:
     return Fit(float(x[0]), 1.0 / inv_beta if inv_beta > 0 else math.inf, err, len(points))
 
 
-def _profile(mesh: Mesh, axis_fits: Iterable[tuple[str, Fit]], flops: float, memory: float
-             ) -> HardwareProfile:
+def _profile(mesh: Mesh, axis_fits: Iterable[tuple[str, Fit]], flops: float, memory: float,
+             operator_latency: float) -> HardwareProfile:
     fits = dict(axis_fits)
     finite = [f.beta for f in fits.values() if math.isfinite(f.beta)]
     fallback = min(finite) if finite else 1e12
@@ -270,7 +282,8 @@ def _profile(mesh: Mesh, axis_fits: Iterable[tuple[str, Fit]], flops: float, mem
         axis_bandwidth=bandwidth, axis_latency=latency,
         devices_per_node=max(jax.local_device_count(), 1),
         intra_node_bandwidth=fast_bw, inter_node_bandwidth=slow_bw,
-        intra_node_latency=fast_lat, inter_node_latency=slow_lat)
+        intra_node_latency=fast_lat, inter_node_latency=slow_lat,
+        operator_latency=operator_latency)
 
 
 # -- the measurements ---------------------------------------------------------------------------
@@ -394,6 +407,70 @@ def _memory_bandwidth(mesh: Mesh, rounds: int, nbytes: int = 8 * 2**20) -> float
                        NamedSharding(mesh, P(names)))
     seconds = _slope(fn, x, rounds, target=0.05)
     return 2.0 * nbytes / max(seconds, 1e-12)  # one read and one write per trip
+
+
+def _block(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+    """A small residual block, as a pipeline's layers are: layer norm, matmul, gelu, matmul."""
+    mu = jnp.mean(x, -1, keepdims=True)
+    h = (x - mu) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
+    return x + jax.nn.gelu(h @ w1) @ w2
+
+
+def operator_count(fn: Callable[..., Any], *args: Any) -> int:
+    """The operators ``fn`` traces to: its jaxpr's equations, those of nested jaxprs (a
+    ``pjit``, a custom derivative) counted instead of the equation that holds them.
+
+    >>> operator_count(lambda x: jnp.tanh(x) * 2.0, jnp.ones(3))
+    2
+    """
+
+    def count(jaxpr: Any) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            inner = [j for v in eqn.params.values() for j in _jaxprs(v)]
+            total += sum(count(j) for j in inner) if inner else 1
+        return total
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _jaxprs(value: Any) -> list[Any]:
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jax.extend.core.Jaxpr):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _jaxprs(v)]
+    return []
+
+
+def _operator_latency(mesh: Mesh, rounds: int, flops_per_s: float, rows: int = 8,
+                      d: int = 16, ff: int = 32) -> float:
+    """Seconds per traced operator beyond its FLOPs, as the stage split prices a layer: one
+    trip of the loop is the forward and backward of :func:`_block` on ``rows x d``."""
+    names = tuple(mesh.axis_names)
+    x0 = jnp.ones((rows, d), jnp.float32) * 0.1
+    w1 = jnp.full((d, ff), 0.05, jnp.float32)
+    w2 = jnp.full((ff, d), 0.05, jnp.float32)
+
+    def local(x: jax.Array, trips: jax.Array) -> jax.Array:
+        def step(_: Any, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            v, a1, a2 = carry
+            y, pull = jax.vjp(_block, v[0], a1, a2)
+            gx, g1, g2 = pull(y)
+            # every cotangent feeds the next trip: none of the backward is dead code
+            return (v - 1e-3 * gx[None], a1 - 1e-3 * g1, a2 - 1e-3 * g2)
+
+        return jax.lax.fori_loop(0, trips[0], step, (x, w1, w2))[0]
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(names), P()), out_specs=P(names),
+                               check_vma=False))
+    x = jax.device_put(jnp.broadcast_to(x0, (mesh.size, rows, d)), NamedSharding(mesh, P(names)))
+    seconds = _slope(fn, x, rounds, target=0.02)
+    forward_flops = 2.0 * rows * d * ff * 2  # the two matmuls
+    ops = operator_count(_block, x0, w1, w2)
+    fixed = seconds / (1.0 + BACKWARD_FACTOR) - forward_flops / max(flops_per_s, 1.0)
+    return max(fixed, 0.0) / ops
 
 
 def _memory_per_device(mesh: Mesh) -> float:

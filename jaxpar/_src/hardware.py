@@ -144,7 +144,8 @@ class HardwareProfile:
       collective_latency: seconds every collective pays once, whatever its steps (launch and
         handshake; NCCL's base latency).  20 us for ``cpu``, 6.6 us for the GPU presets.
       operator_latency: seconds every traced operator pays once, whatever its FLOPs (dispatch,
-        launch).  1 us for every preset (measured for ``cpu``; an estimate for the others).
+        launch).  1 us for every preset (measured for ``cpu``; an estimate for the others);
+        :func:`jaxpar.calibrate` measures it on the devices at hand.
         Only the pipeline's stage split prices it: a layer of small matrices costs its
         operators' count more than its FLOPs, and without it a scalar collective in the
         epilogue outweighed dozens of such layers.
