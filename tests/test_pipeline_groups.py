@@ -287,6 +287,7 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
         colls.table()
 
 
+@pytest.mark.slow  # ~25 CPU s compiling a step (the refusals: test_pipeline_tail.py)
 def test_a_loss_not_affine_in_its_sum_over_the_rows_sums_it_per_micro_batch():
     loss, p, tokens, labels = _lm(tail=jnp.log)  # the log of the mean cross-entropy
     value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, "1f1b")
