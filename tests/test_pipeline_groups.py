@@ -86,7 +86,10 @@ def test_a_mask_stretched_over_the_rows_is_read_per_group():
     assert red.once, red
     # the mask (unstacked) and the zeros (stacked per layer) are [rows, 8]: each group reads
     # its own rows of them where they lie, so nothing but the gradients' one all-reduce over dp
-    assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [(1, red.step_bytes)]
+    # (with the loss's parts summed per group: tail.py; XLA combines the two)
+    assert red.loss_bytes == 4
+    assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [
+        (1, red.step_bytes + red.loss_bytes)], colls.table()
     assert not [r for r in colls if r.axes == ("dp",) and r.kind == "all-gather"], colls.table()
 
 
@@ -177,9 +180,9 @@ def test_zero2_reduce_scatters_the_stage_gradients_after_the_loop():
 V, D = 24, 8  # vocabulary, width
 
 
-def _lm(normalize_before_head=False):
+def _lm(normalize_before_head=False, tail=None):
     """A toy language model: embedding + position (prologue), 4 layers sharing a gate, final
-    scale, head and mean cross-entropy plus weight decay (epilogue)."""
+    scale, head and mean cross-entropy (``tail`` of it) plus weight decay (epilogue)."""
     def loss(p, tokens, labels):
         x = p["emb"][tokens] + p["pos"]  # [rows, seq, D]: a gather of each row's tokens
         gate = p["gate"][None, None]  # made once: every layer reads the same value
@@ -190,7 +193,8 @@ def _lm(normalize_before_head=False):
         logits = (x * p["scale"]) @ p["head"]
         logp = jax.nn.log_softmax(logits)
         decay = 1e-2 * jnp.sum(p["head"] ** 2)  # read by the tail: no rows, no reduction
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1)) + decay
+        ce = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+        return (ce if tail is None else tail(ce)) + decay
 
     keys = jax.random.split(jax.random.key(0), 6)
     p = {"emb": jax.random.normal(keys[0], (V, D)), "pos": jax.random.normal(keys[1], (4, D)),
@@ -246,12 +250,15 @@ def test_embedding_and_head_gradients_are_reduced_once_per_step(schedule):
     # emb [24, 8] + pos [4, 8] (prologue), gate [8] (layers), scale [8] + head [8, 24]
     # (epilogue): whole per device, summed per dp group in the loop
     assert red.ends_bytes == (V * D + 4 * D + D + D + D * V) * 4
+    # the loss's tail (mean cross-entropy + decay) is affine in its sum over the rows: each
+    # group takes its part, the decay is added once (tail.py)
+    assert program.ends.affine is not None and program.ends.affine.offset
+    assert "the loss's tail too" in red.ends_why and red.loss_bytes == 4
     inside, after = _in_loop(colls)
-    # inside the loop only the loss's sum over the rows (a scalar) crosses dp: no gradient,
-    # and no all-gather of the rows for the head or the embedding's scatter-add
-    assert inside and all(r.kind == "all-reduce" and r.shapes == ("f32[]",) for r in inside), \
-        colls.table()
-    # after it, the stacked weights' and the ends' gradients: the predicted bytes
+    # nothing crosses dp inside the loop: no gradient, not the loss's sum over the rows, no
+    # all-gather of the rows for the head or the embedding's scatter-add
+    assert not inside, colls.table()
+    # after it, the stacked weights', the ends' gradients and the loss's parts: as predicted
     assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
         colls.table()
 
@@ -280,6 +287,29 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
         colls.table()
 
 
+@pytest.mark.slow  # ~25 CPU s compiling a step (the refusals: test_pipeline_tail.py)
+def test_a_loss_not_affine_in_its_sum_over_the_rows_sums_it_per_micro_batch():
+    loss, p, tokens, labels = _lm(tail=jnp.log)  # the log of the mean cross-entropy
+    value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, "1f1b")
+
+    def reference(p, tokens, labels):  # the log is of each micro-batch's mean
+        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
+
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(reference))(p, tokens, labels)
+    _close(value, grad, ref_value, ref_grad)
+    red = pipe.gradient_reduction
+    # the head still runs per group (its gradients summed after the loop), the tail on the
+    # whole micro-batch: its scalar sum crosses dp once per micro-batch, and explain() says why
+    assert program.ends.epilogue and program.ends.affine is None and red.loss_bytes == 0
+    assert "log of a sum over the rows is not affine" in red.ends_why, red.ends_why
+    inside, after = _in_loop(colls)
+    assert inside and all(r.kind == "all-reduce" and r.shapes == ("f32[]",) for r in inside), \
+        colls.table()
+    assert sum(r.count for r in inside) >= 4, colls.table()  # 4 micro-batches
+    assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
+        colls.table()
+
+
 def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
     def loss(p, tokens, labels):
         x = p["emb"][tokens]
@@ -299,7 +329,7 @@ def test_a_prologue_that_mixes_rows_keeps_its_gradients_per_micro_batch():
     red = pipe.gradient_reduction
     assert red.once  # the layers and the epilogue still run per group
     assert "prologue: per micro-batch: reduce_sum reduces over the rows" in red.ends_why, red
-    assert "epilogue: runs per group up to the loss's reduction" in pipe.explain()
+    assert "epilogue: runs per group, the loss's tail too" in pipe.explain()
     assert red.ends_bytes == D * V * 4  # the head's only
 
 
@@ -379,8 +409,7 @@ def test_zero_reduce_scatters_the_ends_gradients_after_the_loop(schedule, level,
     assert {names[i]: dim for i, dim, _ in program.rest_scatters} == scattered
     assert all(axes == ("dp",) for _, _, axes in program.rest_scatters)
     inside, after = _in_loop(colls)
-    assert inside and all(r.kind == "all-reduce" and r.shapes == ("f32[]",) for r in inside), \
-        colls.table()
+    assert not inside, colls.table()  # the loss's parts too are summed after the loop
     # after the loop: what is split as the optimizer state is reduce-scattered, the rest
     # all-reduced, each as many bytes per device as predicted
     rs = sum(r.nbytes * r.count for r in after if r.kind == "reduce-scatter")

@@ -19,7 +19,12 @@ over the groups once after the loop instead of all-reduced once per micro-batch 
   statistic) sees them all: exact by construction.  Its cotangent flows into each group's
   head, whose weight gradient is that group's own.
 
-The tail differentiates the weights it reads on the whole micro-batch, as before: a
+Where ``tail.py`` proves the tail affine in the sums over the rows (a mean cross-entropy, plus
+a weight-decay term), it runs per group too: each group takes its rows' part of the loss (the
+whole micro-batch's constants), the loop accumulates the parts per group and sums them after
+it, so no scalar crosses the row axes inside the loop; elsewhere (a ``log`` of a mean, a
+``max`` over the rows) the tail runs on the whole micro-batch as above and ``explain()`` says
+why.  The tail differentiates the weights it reads on the whole micro-batch, as before: a
 weight-decay term added to the loss is exact and needs no reduction over the rows.  When only
 the tail reads weights (a head after a batch normalization: their gradients contract over the
 mixed rows) nothing is gained and the epilogue stays per micro-batch; ``plan.pipeline
@@ -35,6 +40,7 @@ from typing import Any
 from jaxpar._src.graph import Const, OpGraph
 from jaxpar._src.pipeline.groups import MIXED, RowDim, row_step, strip
 from jaxpar._src.pipeline.layers import members
+from jaxpar._src.pipeline.tail import AffineTail, affine_tail
 from jaxpar._src.spec import MeshShape, Spec
 
 
@@ -55,6 +61,8 @@ class EndGroups:
       only: of ``grouped``, those no part reads whole (a prologue or epilogue not grouped,
         the loss's tail): the loop keeps no per-micro-batch accumulator for them.
       why_prologue, why_epilogue: one line each for ``explain()``.
+      affine: the tail proven affine in the sums over the rows (``tail.py``): it runs per
+        group too, the loss's parts summed after the loop; ``None``: on the whole micro-batch.
 
     >>> EndGroups(epilogue=True, grouped=(2,)).on  # the weight at rest index 2 per group
     True
@@ -74,6 +82,7 @@ class EndGroups:
     only: tuple[int, ...] = ()
     why_prologue: str = ""
     why_epilogue: str = ""
+    affine: AffineTail | None = None
 
     @property
     def on(self) -> bool:
@@ -131,11 +140,20 @@ def end_groups(*, graph: OpGraph, small: OpGraph | None, rows: int, size: int,
                 and v not in epi.sliced}
     note = (f"; {len(epi.late)} weight(s) it reads after mixing rows per micro-batch"
             if epi.late else "")
+    proof = affine_tail(graph, epi.tail, dict(epi.bound), where,
+                        {v for v, i in where.items() if floats[i]}, out, epi.stops)
+    affine = None if isinstance(proof, str) else proof
+    if affine is None:
+        why_epi = (f"runs per group up to the loss's reduction over the rows (its last "
+                   f"{len(epi.tail)} operators on the whole micro-batch, its sum crossing the "
+                   f"row axes each micro-batch: {proof}){note}")
+    else:
+        once = ", a term without rows added once" if affine.offset else ""
+        why_epi = (f"runs per group, the loss's tail too (affine in the sums over the rows: "
+                   f"each group's part of the loss summed after the loop{once}){note}")
     return EndGroups(pro_on, True, epi.head, epi.tail, epi.bound, pro_cuts, epi_cuts,
                      tuple(sorted(grouped)), tuple(sorted(layers)),
-                     _only(grouped, whole, where), why_pro,
-                     f"runs per group up to the loss's reduction over the rows (its last "
-                     f"{len(epi.tail)} operators on the whole micro-batch){note}")
+                     _only(grouped, whole, where), why_pro, why_epi, affine)
 
 
 def end_scatters(ends: EndGroups, axes: tuple[str, ...], optimizer: Any,
@@ -198,6 +216,7 @@ class _Split:
         slice of (value id -> row dimension).
       late: rest indices of the weights the tail reads after mixing rows (differentiated on
         the whole micro-batch).
+      stops: why each tail node that mixes rows (or reads mixed ones) left the head.
     """
 
     head: tuple[int, ...]
@@ -205,6 +224,7 @@ class _Split:
     bound: tuple[RowDim, ...]
     sliced: dict[int, RowDim]
     late: tuple[int, ...]
+    stops: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Sequence[int],
@@ -215,7 +235,8 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
         return "the loss is a constant"
     found = _follow(graph, small, nodes, {v: (0, 1) for v in seeds}, rows, size, tail_ok=True)
     assert not isinstance(found, str)
-    state, sliced, tail_set = found
+    state, sliced, stops = found
+    tail_set = set(stops)
     if state.get(out) != MIXED:
         return "the loss does not reduce over the rows"
     made = {v: top for top in nodes for nid in members(graph, top)
@@ -243,7 +264,7 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
     assert not bad, bad  # the closure above moved the row-free ones into the tail
     return _Split(head, tail, tuple((v, state[v][0]) for v in bound),
                   {v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)},
-                  tuple(sorted({where[v] for v, _ in late})))
+                  tuple(sorted({where[v] for v, _ in late})), stops)
 
 
 def _reads_rows(graph: OpGraph, top: int, state: dict[int, RowDim]) -> bool:
@@ -259,13 +280,14 @@ def _reads(graph: OpGraph, tops: Sequence[int]) -> list[int]:
 
 def _follow(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: dict[int, RowDim],
             rows: int, groups: int, *, tail_ok: bool
-            ) -> str | tuple[dict[int, RowDim], dict[int, RowDim], set[int]]:
+            ) -> str | tuple[dict[int, RowDim], dict[int, RowDim], dict[int, str]]:
     """Every value's row dimension through ``nodes`` (``groups.py``'s proof, a top-level node
     at a time): ``(state, sliced, tail)``, or why a node mixes rows.  With ``tail_ok`` a node
-    that mixes rows, or reads a value that does, joins ``tail`` (its values :data:`MIXED`)."""
+    that mixes rows, or reads a value that does, joins ``tail`` (its values :data:`MIXED`;
+    ``tail``: node -> why)."""
     state: dict[int, RowDim] = dict(seeds)
     sliced: dict[int, RowDim] = {}
-    tail: set[int] = set()
+    tail: dict[int, str] = {}
     made = {v for top in nodes for nid in members(graph, top)
             for v in graph.nodes[nid].outputs}
     for top in nodes:
@@ -281,7 +303,7 @@ def _follow(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: dict[in
             state |= local
             sliced |= cut
         elif tail_ok:
-            tail.add(top)
+            tail[top] = why
             state |= {v: MIXED for nid in members(graph, top) for v in graph.nodes[nid].outputs}
         else:
             return why

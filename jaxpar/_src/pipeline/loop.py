@@ -27,10 +27,11 @@ and backward run under ``jax.vmap`` over the data-parallel row groups with the w
 per group, and a stage accumulates per-group weight gradients ``[v, G, k, ...]``: summed over
 the groups (one all-reduce over the row axes) after the loop, not once per micro-batch in it.
 Where ``ends.py`` proves it, the prologue's backward and the epilogue's head run per group too
-(the loss's reduction over the rows on the whole micro-batch), and the unstacked weights they
-and the layers read (embedding, head, final norm, a weight every layer shares) accumulate
-``[G, ...]`` gradients, summed after the loop as well; elsewhere they are reduced per
-micro-batch.
+(the loss's reduction over the rows on the whole micro-batch, or per group as well where
+``tail.py`` proves the loss affine in it: the loss's parts accumulate ``[G]`` and are summed
+after the loop), and the unstacked weights they and the layers read (embedding, head, final
+norm, a weight every layer shares) accumulate ``[G, ...]`` gradients, summed after the loop as
+well; elsewhere they are reduced per micro-batch.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from jaxpar._src.pipeline.memory import record
 from jaxpar._src.pipeline.pieces import Pieces, is_float
 from jaxpar._src.pipeline.residuals import Residuals, probe
 from jaxpar._src.pipeline.slots import SlotTables
+from jaxpar._src.pipeline.tail import run_tail
 from jaxpar._src.spec import Spec
 
 LOOP_NAME = "jaxpar_pipeline_loop"  # the shard_map body's name: how outer.py knows it
@@ -77,7 +79,8 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                for j in program.stacked]
     carried_specs = [program.spec(v) for v in program.carried_in]
     groups = program.groups if backward and program.groups.on else None
-    ends = program.ends if groups is not None and program.ends.on else None
+    ends = program.ends if groups is not None and (program.ends.on or
+                                                   program.ends.affine is not None) else None
     if groups is not None:  # the gradient accumulators: [v, G, k, ...], G on the row axes
         stretched = {i for kind, i, _, _ in groups.cuts if kind == "w"}  # per row: no G
         w_local = [sp if j in stretched else
@@ -116,6 +119,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 "g_rest": ctx.rest_zeros(),
                 "g_rest_g": ctx.rest_group_zeros(),
                 "g_batch": [jnp.zeros_like(b) for b in batch],
+                "loss_g": ctx.loss_group_zeros(),
             }
         for start, stop, has_f, has_b in tables.phases():
             xs = {k: v[start:stop] for k, v in rows.items()}
@@ -125,9 +129,10 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
                 return ctx.tick(c, {k: v[s] for k, v in row.items()}, has_f, has_b), None
 
             carry, _ = jax.lax.scan(tick, carry, xs)
-        loss = jax.lax.psum(carry["loss"], AXIS)
         if not backward:
-            return loss
+            return jax.lax.psum(carry["loss"], AXIS)
+        # the loss's parts summed per row group (tail.py): their one sum over the row axes
+        loss = jax.lax.psum(carry["loss"] + sum(jnp.sum(g) for g in carry["loss_g"]), AXIS)
         g_rest = [jax.lax.psum(g, AXIS) for g in ctx.rest_sums(carry["g_rest"],
                                                                carry["g_rest_g"])]
         g_batch = [jax.lax.psum(g, AXIS) for g in carry["g_batch"]]
@@ -235,8 +240,9 @@ class _Tick:
             stored = [ar.filled(a, self.fill) for a in shapes[1]]
             ends = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[2])
             if backward:
-                ends = (ends[0], self._carried([ar.filled(a, self.fill) for a in shapes[2][1]]),
-                        *ends[2:])
+                ends = (ends[0], self._loss_groups(ends[1]),
+                        self._carried([ar.filled(a, self.fill) for a in shapes[2][2]]),
+                        *ends[3:])
             return y, stored, ends
 
         y, stored, ends = jax.lax.cond(row["f_on"] > 0, run, idle)
@@ -244,8 +250,10 @@ class _Tick:
         if not backward:
             c["loss"] = c["loss"] + ends * self.scale
             return c
-        loss_m, ct_y, g_rest, g_rest_g, ct_b = ends
+        loss_m, loss_g, ct_y, g_rest, g_rest_g, ct_b = ends
         c["loss"] = c["loss"] + loss_m * self.scale
+        c["loss_g"] = self._loss_groups([a + g * self.scale for a, g in zip(c["loss_g"], loss_g,
+                                                                           strict=True)])
         c["res"] = [ar.put(b, row["f_res"], v) for b, v in zip(c["res"], stored, strict=True)]
         c["ct"] = [ar.put(b, row["f_ct"], v) for b, v in zip(c["ct"], ct_y, strict=True)]
         c["g_rest"] = self._add_rest(c["g_rest"], g_rest)
@@ -401,44 +409,84 @@ class _Tick:
 
         loss, pull = jax.vjp(f, ar.floats(self.rest), list(y), ar.floats(batch_m))
         g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
-        return (loss, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
-                self.rest_group_zeros(), ar.dense(ct_b, batch_m))
+        return (loss, self.loss_group_zeros(), self._carried(ar.dense(ct_y, y)),
+                ar.dense(g_r, self.rest), self.rest_group_zeros(), ar.dense(ct_b, batch_m))
 
     def _epilogue_vjp_groups(self, y: list, batch_m: list) -> tuple:
         """The epilogue's backward with its head per row group (``ends.py``): the weights the
         head reads broadcast to ``[G, ...]``, so each group's gradient comes back on its own;
-        the tail (the loss's reduction over the rows) on the whole micro-batch."""
+        the tail (the loss's reduction over the rows) on the whole micro-batch, or, proven
+        affine (``tail.py``), per group too: each group's part of the loss ``[G]`` and the
+        term without rows (weight decay) once, each part's cotangent the loss's scale."""
         assert self.ends is not None and self.groups is not None
         e, gp, pieces, axes = self.ends, self.gpieces, self.pieces, self.groups.axes
         bound = [v for v, _ in e.bound]
         cuts = list(e.epi_cuts)
+        t, graph = e.affine, self.program.graph
 
         def f(r: list, rg: list, x: list, b: list) -> Any:
             rr, whole = ar.merge(self.rest, r), ar.merge(batch_m, b)
             own = [self._regroup(rr[i], dim) for i, dim in cuts]
+            free: dict = {}
+            if t is not None:  # what the tail reads without rows, once on the whole weights
+                free = dict(zip(t.reads, pieces.epilogue_part(rr, x, whole, t.free, t.reads),
+                                strict=True))
 
-            def one(rg: list, x: list, b: list, own: list) -> list:
-                return gp.epilogue_part(self._rest_of(rr, rg, cuts, own), x, b, e.head, bound)
+            def one(rg: list, x: list, b: list, own: list) -> Any:
+                parts = gp.epilogue_part(self._rest_of(rr, rg, cuts, own), x, b, e.head, bound)
+                if t is None:
+                    return parts
+                env = free | dict(zip(bound, parts, strict=True))
+                return run_tail(graph, t, env, linear=True).astype(jnp.float32)
 
             parts = jax.vmap(one, spmd_axis_name=axes)(
                 rg, self._group(x, self.carried_specs), self._group(whole, self.batch_specs),
                 own)
+            if t is not None:
+                once = (run_tail(graph, t, free, linear=False) if t.offset else
+                        jnp.zeros((), jnp.float32))
+                return once.astype(jnp.float32), self._loss_groups([parts])
             parts = [self._unregroup(v, dim) for v, (_, dim) in zip(parts, e.bound,
                                                                      strict=True)]
             out = pieces.epilogue_part(rr, x, whole, e.tail, [self.program.out_operand],
                                        bound=bound, values=parts)[0]
-            return out.astype(jnp.float32)
+            return out.astype(jnp.float32), []
 
         rg = self._rest_groups()
-        loss, pull = jax.vjp(f, ar.floats(self.rest), rg, list(y), ar.floats(batch_m))
-        g_r, g_rg, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
-        return (loss, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
+        (loss, loss_g), pull = jax.vjp(f, ar.floats(self.rest), rg, list(y),
+                                       ar.floats(batch_m))
+        scale = jnp.asarray(self.scale, jnp.float32)
+        g_r, g_rg, ct_y, ct_b = pull((scale, self._loss_groups(
+            [jnp.full(g.shape, scale) for g in loss_g])))
+        return (loss, loss_g, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
                 self._group_grads(ar.dense(g_rg, rg)), ar.dense(ct_b, batch_m))
 
     def _no_epilogue(self, y: list) -> tuple:
         ct_y = self._carried([ar.filled(v, self.fill) for v in y])
-        return (jnp.zeros((), jnp.float32), ct_y, [jnp.zeros_like(r) for r in self.rest],
-                self.rest_group_zeros(), [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+        return (jnp.zeros((), jnp.float32), self.loss_group_zeros(), ct_y,
+                [jnp.zeros_like(r) for r in self.rest], self.rest_group_zeros(),
+                [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
+
+    # -- the loss's parts per row group (tail.py) ---------------------------------------------
+    def _affine(self) -> bool:
+        return self.ends is not None and self.ends.affine is not None
+
+    def _loss_spec(self) -> Spec:
+        assert self.groups is not None
+        return Spec((self.groups.axes,))
+
+    def loss_group_zeros(self) -> list:
+        """The accumulator ``[G]`` of the loss's parts summed per row group (``[]`` where the
+        loss's tail runs on the whole micro-batch)."""
+        if not self._affine():
+            return []
+        assert self.groups is not None
+        return self._loss_groups([jnp.zeros((self.groups.size,), jnp.float32)])
+
+    def _loss_groups(self, xs: list) -> list:
+        """The loss's parts laid out as their accumulator (each group's on its own devices):
+        alike in both branches of a tick's conditionals, as :meth:`_group_grads`."""
+        return [ar.constrain(self.pieces, x, self._loss_spec()) for x in xs]
 
     # -- the rest's gradients per row group (ends.py) ----------------------------------------
     def _grouped(self) -> tuple[int, ...]:

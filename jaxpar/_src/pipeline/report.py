@@ -175,6 +175,9 @@ class GradientReduction:
       ends_scattered_bytes: of ``ends_bytes``, what is reduce-scattered, not all-reduced
         (the parallel optimizer on: one dimension split over the row axes,
         ``program.rest_scatters``).
+      loss_bytes: per device, the loss's parts summed per row group in the loop and once
+        after it (``tail.py``: 4 B, a float32 scalar); ``0`` where the loss's sum over the rows
+        crosses the row axes per micro-batch.
     """
 
     axes: tuple[str, ...]
@@ -186,6 +189,7 @@ class GradientReduction:
     ends_bytes: float = 0.0
     ends_why: str = ""
     ends_scattered_bytes: float = 0.0
+    loss_bytes: float = 0.0
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -196,10 +200,10 @@ class GradientReduction:
     @property
     def after_loop_bytes(self) -> float:
         """Per device, what a step all-reduces over ``axes`` after the loop: the stacked
-        weights' gradients not reduce-scattered (when ``once``) and the ends' not
-        reduce-scattered."""
+        weights' gradients not reduce-scattered (when ``once``), the ends' not
+        reduce-scattered and the loss's parts."""
         return (self.run_bytes - self.scattered_bytes if self.once else 0.0) + \
-            self.ends_bytes - self.ends_scattered_bytes
+            self.ends_bytes - self.ends_scattered_bytes + self.loss_bytes
 
     @property
     def after_loop_scattered_bytes(self) -> float:
@@ -238,8 +242,9 @@ class GradientReduction:
         k, repeats = program.split.slots, program.config.repeats
         ends_bytes, ends_scattered, ends_why = _ends(program, mesh)
         if groups.on:
+            loss = 4.0 if program.ends.affine is not None else 0.0  # the loss's parts' sum
             return cls(groups.axes, True, 1, repeats * k * layer, groups.why,
-                       repeats * k * scattered, ends_bytes, ends_why, ends_scattered)
+                       repeats * k * scattered, ends_bytes, ends_why, ends_scattered, loss)
         ticks = sum(stop - start for start, stop, _, has_b in
                     SlotTables.of(program.schedule).phases() if has_b)
         return cls(groups.axes, False, ticks * k, layer, groups.why, 0.0, ends_bytes, ends_why,
