@@ -16,10 +16,10 @@ from jaxpar._src.trace import trace
 ROWS, GROUPS = 8, 4
 
 
-def _tail(fn):
+def _tail(fn, m_dtype=jnp.float32):
     """``fn(h, m, w)`` traced with two per-row values ``h: [8, 3]``, ``m: [8]`` (rows on
     dimension 0) and a weight ``w: [3]``: the graph, the inputs' ids, the proof."""
-    args = [jnp.ones((ROWS, 3)), jnp.ones(ROWS), jnp.ones(3)]
+    args = [jnp.ones((ROWS, 3)), jnp.ones(ROWS, m_dtype), jnp.ones(3)]
     g = trace(fn, args).graph
     h, m, w = (g.nodes[i].outputs[0] for i in g.inputs)
     ops = [n.id for n in g.nodes if n.kind is NodeKind.OP]
@@ -70,3 +70,11 @@ def test_an_affine_tail_summed_over_the_groups_equals_the_whole(fn, offset):
 def test_a_tail_that_is_not_affine_is_refused_with_its_operator(fn, why):
     _, _, tail = _tail(fn)
     assert isinstance(tail, str) and tail.startswith(why), tail
+
+
+def test_an_integer_division_of_a_sum_is_refused():
+    """Integer division rounds each group's part, not the whole sum: 4 groups of 2 rows of 1
+    give 4 * (2 // 3) = 0 where the whole gives 8 // 3 = 2."""
+    _, _, tail = _tail(lambda h, m, w: jax.lax.div(jnp.sum(m), 3).astype(jnp.float32),
+                       m_dtype=jnp.int32)
+    assert isinstance(tail, str) and tail.startswith("div rounds a sum over the rows"), tail

@@ -164,6 +164,9 @@ def _kind(graph: OpGraph, nid: int, kinds: list[str], bound: Mapping[int, int],
             return f"{name} of two sums over the rows is not affine"
         if name == "div" and kinds[0] == FREE:
             return "div by a sum over the rows is not affine"
+        if name == "div" and not jnp.issubdtype(graph.values[node.outputs[0]].dtype,
+                                                jnp.inexact):
+            return "div rounds a sum over the rows (integer division: each group's part)"
         scale = node.inputs[kinds.index(FREE)]
         if not isinstance(scale, Const) and scale in weighty:
             return (f"{name} scales a sum over the rows by a value read from a weight (its "
