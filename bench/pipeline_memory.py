@@ -2,10 +2,11 @@
 
 A GPT-style train step with Adam (8 identical blocks, d=16, the shapes of
 ``tests/test_pipeline.py``), its blocks' weights stacked by stage (``PipelineCell.stack``), runs
-as a pipeline on 8 devices ``(dp=8/S, pp=S)`` under GPipe, 1F1B and both interleaved (``v = 2``),
-S = 2 and 4, a few micro-batch counts M, ZeRO off and level 1 (the Adam moments split over dp,
-the stage gradients reduce-scattered), stored and recomputed residuals, and row groups on (the
-default on dp) and off (``(dp=1, pp=S)``: no data parallelism, S devices).  Per row, from the
+as a pipeline on 8 devices ``(dp=8/S, pp=S)`` under GPipe, 1F1B and both interleaved
+(``v = 2``), S = 2 and 4, a few micro-batch counts M, ZeRO off, level 1 (the Adam moments split over
+dp, the stage gradients reduce-scattered) and level 3 (the stacked weights split too), stored
+and recomputed residuals, and row groups on (the default on dp) and off (``(dp=1, pp=S)``: no
+data parallelism, S devices).  Per row, from the
 compiled program: arguments, outputs, temporaries and total (``jaxpar.inspect.memory``: argument
 + output - alias + temp); from the plan: ``plan.memory_bytes`` (the step's model of
 ``jaxpar/_src/program_memory.py`` with the loop's memory, ``jaxpar/_src/pipeline/memory.py``, a
@@ -64,6 +65,7 @@ CASES = (
     (4, 16, "1f1b", False, "store", 1, True),
     (4, 8, "1f1b", True, "store", 1, True),
     (4, 8, "1f1b", False, "store", 0, False),
+    (2, 4, "1f1b", False, "store", 3, True),
 )
 QUICK = (0, 1, 6, 10)  # the rows --quick runs
 
@@ -89,7 +91,7 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
     mesh = jaxpar.make_mesh((dp, S), ("dp", "pp"))
     opt = optax.adam(1e-3)
     extra = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
-        "optimizer_level": "level1", "parallel_optimizer_threshold": 0}} if zero else {}
+        "optimizer_level": f"level{zero}", "parallel_optimizer_threshold": 0}} if zero else {}
     with jaxpar.auto_parallel_context(
             parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=S, micro_batches=M,
             pipeline_config={"pipeline_scheduler": schedule, "pipeline_interleave": interleave,

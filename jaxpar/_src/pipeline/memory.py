@@ -15,7 +15,9 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
 * **accumulators**: the stage weights' gradients ``[v, (G,) k, ...]`` (``G``, the row groups of
   ``groups.py``, is split over the row axes: one group per device) and the rest's, per
   micro-batch and ``[G, ...]`` per group (``ends.py``); the loop's results are their sums, a
-  buffer of the step's own.
+  buffer of the step's own.  Reduce-scattered (ZeRO), the stage weights' whole accumulator
+  and the loop body's sum of it; at level 3 also its carry, which at lower levels XLA puts
+  in the updated weights' output allocation (whole there, the weight's slice at level 3).
 * **one tick**: what a chunk's forward or backward makes and drops within the tick: the
   chunk's weights taken from the stage's stack, its residuals before they are written to their
   slot (or, recomputing, the whole chunk's residuals, which the backward remakes), and its
@@ -239,9 +241,12 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
         # the accumulator [v, G, k, ...] (one group per device), summed over the row axes
         # after the loop into the result: by all-reduce, the result a buffer of its own, or,
         # reduce-scattered, also the collective's operand, the group dropped ([v, k, ...]):
-        # each whole
+        # each whole.  Reduce-scattered at ZeRO levels 1-2, XLA's buffer assignment puts the
+        # loop's accumulator carry in the updated weights' output allocation (whole, made
+        # after the loop: the toy's dump, level 1); at level 3 that output is the weight's
+        # slice, 1/G as large, so the carry is a buffer of its own: one more
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
-        copies = 2 if j in scattered else 1
+        copies = (3 if program.params_split else 2) if j in scattered else 1
         total += copies * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
     for i in ends.grouped if ends.on else ():
         vid = program.rest[i]
