@@ -12,7 +12,8 @@ compiled program: arguments, outputs, temporaries and total (``jaxpar.inspect.me
 ``jaxpar/_src/program_memory.py`` with the loop's memory, ``jaxpar/_src/pipeline/memory.py``, a
 temporary of the loop operator), its ratio to the compiled total, and the loop's parts: residual
 slots, activation and cotangent slots (the peak activation memory a schedule keeps between
-ticks), gradient accumulators beyond the loop's results, one tick's transient.  "without
+ticks), gradient accumulators beyond the loop's results, one tick's transient, at level 3 the
+gathered stage weights' second copy.  "without
 loop": the same prediction less the loop's parts (the step's model alone, which sees the loop's
 operands and results only).
 
@@ -122,7 +123,8 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
             "without_loop": float(plan.memory_bytes) - loop.total,
             "residual_slots": loop.residual_slots,
             "activation_slots": loop.activation_slots + loop.cotangent_slots,
-            "accumulators": loop.accumulators, "tick": loop.tick, "seconds": seconds}
+            "accumulators": loop.accumulators, "tick": loop.tick,
+            "weight_copies": loop.weight_copies, "seconds": seconds}
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -145,13 +147,14 @@ def table(rows: list[dict]) -> list[str]:
              "batch. KiB per device. Compiled: `jaxpar.inspect.memory` (arguments + outputs + "
              "temporaries). Loop parts predicted (`plan.pipeline.memory`): residual "
              "slots, activation + cotangent slots, accumulators beyond the loop's results, "
-             "one tick. Without loop: the prediction less the loop's parts.",
+             "one tick, copies (ZeRO level 3: the gathered stage weights' second copy). "
+             "Without loop: the prediction less the loop's parts.",
              "",
              "| S | M | rows | schedule | residuals | ZeRO | groups | split | args | out | "
              "temp | total | predicted | pred/total | without loop/total | res slots | "
-             "act+ct slots | acc | tick |",
+             "act+ct slots | acc | tick | copies |",
              "|---:|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-             "---:|---:|"]
+             "---:|---:|---:|"]
     for r in rows:
         def k(key: str, r: dict = r) -> str:
             return f"{r[key] / 2**10:.1f}"
@@ -163,7 +166,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{k('output')} | {k('temp')} | {k('total')} | {k('predicted')} | "
             f"{r['predicted'] / r['total']:.3f} | {r['without_loop'] / r['total']:.3f} | "
             f"{k('residual_slots')} | {k('activation_slots')} | {k('accumulators')} | "
-            f"{k('tick')} |")
+            f"{k('tick')} | {r.get('weight_copies', 0.0) / 2**10:.1f} |")
     return lines
 
 

@@ -96,7 +96,9 @@ def test_slots_follow_the_schedule():
      0),
     (4, 8, {"pipeline_scheduler": "1f1b", "pipeline_interleave": True}, 2, True, False, 0),
     (2, 4, {"pipeline_scheduler": "gpipe"}, 1, False, False, 4096),  # no row groups
-], ids=["gpipe", "1f1b-recompute-zero1", "1f1b-v2-S4", "gpipe-dp1-head"])
+    # level 3: the gathered stage weights twice where a scan runs forward and backward (0.849)
+    (2, 4, {"pipeline_scheduler": "1f1b"}, 4, True, "level3", 0),
+], ids=["gpipe", "1f1b-recompute-zero1", "1f1b-v2-S4", "gpipe-dp1-head", "1f1b-zero3"])
 def test_predicted_memory_is_the_compiled_programs(S, M, config, dp, adam, zero, head):
     plan, mem = _step(S, M, config, dp=dp, adam=adam, zero=zero, head=head)
     loop = plan.pipeline.memory
@@ -106,6 +108,7 @@ def test_predicted_memory_is_the_compiled_programs(S, M, config, dp, adam, zero,
     # the loop is what the step's plan did not see before: without it, off by more than that
     assert (plan.memory_bytes - loop.total) / mem["total"] < 1 - 2 * TOLERANCE
     assert "loop" in plan.pipeline.explain() and "residual slots" in plan.pipeline.explain()
+    assert (loop.weight_copies > 0) == (zero == "level3")
 
 
 def test_a_cond_taints_its_outputs_one_by_one():

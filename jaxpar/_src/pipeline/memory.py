@@ -35,7 +35,10 @@ and level 1, stored residuals, row groups on and off; recomputed without row gro
 1.10-1.16 on the three that recompute with row groups; the residual is where XLA writes part
 of a tick's transient in place or into the step's outputs not yet made (over: the loop is one
 temporary here, larger than any output, so it shares none) or copies an accumulator once more
-(under).
+(under).  At ZeRO level 3 (the stacked weights split, gathered by the step before the loop)
+the accumulator's carry finds no output allocation to live in, and where a scan runs forward
+and backward ticks XLA holds the gathered weights twice: both counted (the GPT, S=2 M=4 1F1B
+level 3: 0.953 of the compiled total; 0.832 without them).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
@@ -78,6 +81,8 @@ class LoopMemory:
       slots: layer slots per chunk ``k``; repeats: chunks per stage ``v``.
       layer_stored: one layer's stored residuals per micro-batch; ``how``: ``"traced"`` (the
         probe's leaves) or ``"graph"`` (every operator result of a layer, before tracing).
+      weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
+        where one scan runs forward and backward ticks (:func:`_weight_copies`).
     """
 
     residual_slots: float
@@ -92,11 +97,12 @@ class LoopMemory:
     repeats: int
     layer_stored: float
     how: str = "graph"
+    weight_copies: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.residual_slots + self.activation_slots + self.cotangent_slots
-                + self.accumulators + self.tick)
+                + self.accumulators + self.tick + self.weight_copies)
 
     def explain(self) -> str:
         """One line for ``plan.pipeline.explain()``."""
@@ -104,7 +110,9 @@ class LoopMemory:
                 f"({self.res_slots} + 1 scratch x {self.slots} layers x "
                 f"{_bytes(self.layer_stored)}, {self.how}), activation + cotangent slots "
                 f"{_bytes(self.activation_slots + self.cotangent_slots)}, gradient "
-                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}")
+                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}"
+                + (f", gathered weights' second copy {_bytes(self.weight_copies)}"
+                   if self.weight_copies else ""))
 
 
 def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
@@ -218,7 +226,27 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
                  full_bytes=full, carried_bytes=carried,
                  recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
                  tick_grad_bytes=_rest_grads(program, mesh))
-    return dataclasses.replace(m, how="traced" if traced is not None else "graph")
+    return dataclasses.replace(m, how="traced" if traced is not None else "graph",
+                               weight_copies=_weight_copies(program, mesh) if backward else 0.0)
+
+
+def _weight_copies(program: Any, mesh: MeshShape) -> float:
+    """ZeRO level 3 (the stacked weights split as their moments, gathered by the step before
+    the loop): the gathered stage weights a second time, where a scan of the loop (a phase,
+    ``slots.py``) runs forward and backward ticks (1F1B's steady state).  The all-gather
+    makes them with the gathered dimension major, and XLA copies them into each shape the
+    loop reads them in (the buffer assignments of ``--xla_dump_to``): the toy stack and the
+    GPT under 1F1B, two copies (``[k, ...]`` and ``[v, k, ...]``), GPipe (a forward phase,
+    then a backward one) one; the step's model counts the gathered value once."""
+    if not program.params_split:
+        return 0.0
+    if not any(f and b for _, _, f, b in SlotTables.of(program.schedule).phases()):
+        return 0.0
+    scattered = {j for j, _, _ in program.scatters}
+    v, k = program.config.repeats, program.split.slots
+    return sum(v * k * _local(w, program.spec(w.id), mesh)
+               for j in sorted(scattered)
+               for w in [program.graph.values[program.rep_layer.weights[program.stacked[j]]]])
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:
