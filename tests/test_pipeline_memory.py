@@ -96,9 +96,7 @@ def test_slots_follow_the_schedule():
      0),
     (4, 8, {"pipeline_scheduler": "1f1b", "pipeline_interleave": True}, 2, True, False, 0),
     (2, 4, {"pipeline_scheduler": "gpipe"}, 1, False, False, 4096),  # no row groups
-    # level 3: the gathered stage weights twice where a scan runs forward and backward (0.849)
-    (2, 4, {"pipeline_scheduler": "1f1b"}, 4, True, "level3", 0),
-], ids=["gpipe", "1f1b-recompute-zero1", "1f1b-v2-S4", "gpipe-dp1-head", "1f1b-zero3"])
+], ids=["gpipe", "1f1b-recompute-zero1", "1f1b-v2-S4", "gpipe-dp1-head"])
 def test_predicted_memory_is_the_compiled_programs(S, M, config, dp, adam, zero, head):
     plan, mem = _step(S, M, config, dp=dp, adam=adam, zero=zero, head=head)
     loop = plan.pipeline.memory
@@ -108,7 +106,6 @@ def test_predicted_memory_is_the_compiled_programs(S, M, config, dp, adam, zero,
     # the loop is what the step's plan did not see before: without it, off by more than that
     assert (plan.memory_bytes - loop.total) / mem["total"] < 1 - 2 * TOLERANCE
     assert "loop" in plan.pipeline.explain() and "residual slots" in plan.pipeline.explain()
-    assert (loop.weight_copies > 0) == (zero == "level3")
 
 
 def test_a_cond_taints_its_outputs_one_by_one():
@@ -266,3 +263,17 @@ def test_level3_is_predicted_above_level1_where_it_compiles_so():
                           hardware=hardware)
         assert mem["total"] <= budget, (mem, budget, plan.notes)
         assert plan.optimizer_level == 1, plan.notes
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["1f1b", "1f1b-v2"])
+def test_level3_counts_the_gathered_weights_as_often_as_xla_copies_them(interleave):
+    """ZeRO level 3 under 1F1B: XLA copies the all-gathered stage weights (gathered dimension
+    major) into each shape the loop reads them in: twice with one chunk per stage (the
+    forward's ``[k, ...]`` and the backward's ``[v, k, ...]``), once interleaved (each tick
+    slices its chunk).  The copies counted are the nearest to the compiled total: the
+    prediction is off by less than half a copy (one more or one fewer is off by more)."""
+    config = {"pipeline_scheduler": "1f1b", "pipeline_interleave": interleave}
+    plan, mem = _step(2, 4, config, dp=4, adam=True, zero="level3")
+    copy = 8 // 2 * 32 * 32 * 4  # the stage's four layers' [32, 32] weights, gathered
+    assert plan.pipeline.memory.weight_copies == (0 if interleave else copy)
+    assert abs(plan.memory_bytes - mem["total"]) < copy / 2, (plan.memory_bytes, mem)

@@ -233,12 +233,15 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
 def _weight_copies(program: Any, mesh: MeshShape) -> float:
     """ZeRO level 3 (the stacked weights split as their moments, gathered by the step before
     the loop): the gathered stage weights a second time, where a scan of the loop (a phase,
-    ``slots.py``) runs forward and backward ticks (1F1B's steady state).  The all-gather
-    makes them with the gathered dimension major, and XLA copies them into each shape the
-    loop reads them in (the buffer assignments of ``--xla_dump_to``): the toy stack and the
-    GPT under 1F1B, two copies (``[k, ...]`` and ``[v, k, ...]``), GPipe (a forward phase,
-    then a backward one) one; the step's model counts the gathered value once."""
-    if not program.params_split:
+    ``slots.py``) runs forward and backward ticks (1F1B's steady state) on one chunk per
+    stage (``v = 1``).  The all-gather makes them with the gathered dimension major, and XLA
+    copies them into each shape the loop reads them in (the buffer assignments of
+    ``--xla_dump_to``): the toy stack and the GPT under 1F1B, two copies (``[k, ...]`` and
+    ``[v, k, ...]``), GPipe (a forward phase, then a backward one) one; interleaved (``v =
+    2``: a tick slices its chunk out of the stack) one, by the compiled totals (the toy's
+    interleaved 1F1B: 0.967 of the compiled total without the copy, 1.096 with it).  The
+    step's model counts the gathered value once."""
+    if not program.params_split or program.config.repeats != 1:
         return 0.0
     if not any(f and b for _, _, f, b in SlotTables.of(program.schedule).phases()):
         return 0.0
