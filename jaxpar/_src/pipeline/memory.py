@@ -37,8 +37,8 @@ of a tick's transient in place or into the step's outputs not yet made (over: th
 temporary here, larger than any output, so it shares none) or copies an accumulator once more
 (under).  At ZeRO level 3 (the stacked weights split, gathered by the step before the loop)
 the accumulator's carry finds no output allocation to live in, and where a scan runs forward
-and backward ticks XLA holds the gathered weights twice: both counted (the GPT, S=2 M=4 1F1B
-level 3: 0.953 of the compiled total; 0.832 without them).
+and backward ticks on one chunk per stage XLA holds the gathered weights twice: both counted
+(the GPT, S=2 M=4 1F1B level 3: 0.953 of the compiled total; 0.832 without them).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
@@ -82,7 +82,8 @@ class LoopMemory:
       layer_stored: one layer's stored residuals per micro-batch; ``how``: ``"traced"`` (the
         probe's leaves) or ``"graph"`` (every operator result of a layer, before tracing).
       weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
-        where one scan runs forward and backward ticks (:func:`_weight_copies`).
+        where one scan runs forward and backward ticks on one chunk per stage
+        (:func:`_weight_copies`).
     """
 
     residual_slots: float
@@ -245,11 +246,9 @@ def _weight_copies(program: Any, mesh: MeshShape) -> float:
         return 0.0
     if not any(f and b for _, _, f, b in SlotTables.of(program.schedule).phases()):
         return 0.0
-    scattered = {j for j, _, _ in program.scatters}
-    v, k = program.config.repeats, program.split.slots
-    return sum(v * k * _local(w, program.spec(w.id), mesh)
-               for j in sorted(scattered)
-               for w in [program.graph.values[program.rep_layer.weights[program.stacked[j]]]])
+    weights = [program.graph.values[program.rep_layer.weights[program.stacked[j]]]
+               for j, _, _ in program.scatters]
+    return sum(program.split.slots * _local(w, program.spec(w.id), mesh) for w in weights)
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:
@@ -272,10 +271,10 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
         # the accumulator [v, G, k, ...] (one group per device), summed over the row axes
         # after the loop into the result: by all-reduce, the result a buffer of its own, or,
         # reduce-scattered, also the collective's operand, the group dropped ([v, k, ...]):
-        # each whole.  Reduce-scattered at ZeRO levels 1-2, XLA's buffer assignment puts the
-        # loop's accumulator carry in the updated weights' output allocation (whole, made
-        # after the loop: the toy's dump, level 1); at level 3 that output is the weight's
-        # slice, 1/G as large, so the carry is a buffer of its own: one more
+        # each whole.  Reduce-scattered at level 1, XLA's buffer assignment puts the loop's
+        # accumulator carry in the updated weights' output allocation (whole, made after the
+        # loop: the toy's dump); at level 3 that output is the weight's slice, 1/G as large,
+        # so the carry is a buffer of its own: one more
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
         copies = (3 if program.params_split else 2) if j in scattered else 1
         total += copies * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
