@@ -2,16 +2,18 @@
 
 A GPT-style train step with Adam (8 identical blocks, d=16, the shapes of
 ``tests/test_pipeline.py``), its blocks' weights stacked by stage (``PipelineCell.stack``), runs
-as a pipeline on 8 devices ``(dp=8/S, pp=S)`` under GPipe, 1F1B and both interleaved (``v = 2``),
-S = 2 and 4, a few micro-batch counts M, ZeRO off and level 1 (the Adam moments split over dp,
-the stage gradients reduce-scattered), stored and recomputed residuals, and row groups on (the
-default on dp) and off (``(dp=1, pp=S)``: no data parallelism, S devices).  Per row, from the
+as a pipeline on 8 devices ``(dp=8/S, pp=S)`` under GPipe, 1F1B and both interleaved
+(``v = 2``), S = 2 and 4, a few micro-batch counts M, ZeRO off, level 1 (the Adam moments split over
+dp, the stage gradients reduce-scattered) and level 3 (the stacked weights split too), stored
+and recomputed residuals, and row groups on (the default on dp) and off (``(dp=1, pp=S)``: no
+data parallelism, S devices).  Per row, from the
 compiled program: arguments, outputs, temporaries and total (``jaxpar.inspect.memory``: argument
 + output - alias + temp); from the plan: ``plan.memory_bytes`` (the step's model of
 ``jaxpar/_src/program_memory.py`` with the loop's memory, ``jaxpar/_src/pipeline/memory.py``, a
 temporary of the loop operator), its ratio to the compiled total, and the loop's parts: residual
 slots, activation and cotangent slots (the peak activation memory a schedule keeps between
-ticks), gradient accumulators beyond the loop's results, one tick's transient.  "without
+ticks), gradient accumulators beyond the loop's results, one tick's transient, at level 3 the
+gathered stage weights' second copy.  "without
 loop": the same prediction less the loop's parts (the step's model alone, which sees the loop's
 operands and results only).
 
@@ -64,6 +66,7 @@ CASES = (
     (4, 16, "1f1b", False, "store", 1, True),
     (4, 8, "1f1b", True, "store", 1, True),
     (4, 8, "1f1b", False, "store", 0, False),
+    (2, 4, "1f1b", False, "store", 3, True),
 )
 QUICK = (0, 1, 6, 10)  # the rows --quick runs
 
@@ -89,7 +92,7 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
     mesh = jaxpar.make_mesh((dp, S), ("dp", "pp"))
     opt = optax.adam(1e-3)
     extra = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
-        "optimizer_level": "level1", "parallel_optimizer_threshold": 0}} if zero else {}
+        "optimizer_level": f"level{zero}", "parallel_optimizer_threshold": 0}} if zero else {}
     with jaxpar.auto_parallel_context(
             parallel_mode="semi_auto_parallel", mesh=mesh, pipeline_stages=S, micro_batches=M,
             pipeline_config={"pipeline_scheduler": schedule, "pipeline_interleave": interleave,
@@ -120,7 +123,8 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
             "without_loop": float(plan.memory_bytes) - loop.total,
             "residual_slots": loop.residual_slots,
             "activation_slots": loop.activation_slots + loop.cotangent_slots,
-            "accumulators": loop.accumulators, "tick": loop.tick, "seconds": seconds}
+            "accumulators": loop.accumulators, "tick": loop.tick,
+            "weight_copies": loop.weight_copies, "seconds": seconds}
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -143,13 +147,14 @@ def table(rows: list[dict]) -> list[str]:
              "batch. KiB per device. Compiled: `jaxpar.inspect.memory` (arguments + outputs + "
              "temporaries). Loop parts predicted (`plan.pipeline.memory`): residual "
              "slots, activation + cotangent slots, accumulators beyond the loop's results, "
-             "one tick. Without loop: the prediction less the loop's parts.",
+             "one tick, copies (ZeRO level 3: the gathered stage weights' second copy). "
+             "Without loop: the prediction less the loop's parts.",
              "",
              "| S | M | rows | schedule | residuals | ZeRO | groups | split | args | out | "
              "temp | total | predicted | pred/total | without loop/total | res slots | "
-             "act+ct slots | acc | tick |",
+             "act+ct slots | acc | tick | copies |",
              "|---:|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-             "---:|---:|"]
+             "---:|---:|---:|"]
     for r in rows:
         def k(key: str, r: dict = r) -> str:
             return f"{r[key] / 2**10:.1f}"
@@ -161,7 +166,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{k('output')} | {k('temp')} | {k('total')} | {k('predicted')} | "
             f"{r['predicted'] / r['total']:.3f} | {r['without_loop'] / r['total']:.3f} | "
             f"{k('residual_slots')} | {k('activation_slots')} | {k('accumulators')} | "
-            f"{k('tick')} |")
+            f"{k('tick')} | {r.get('weight_copies', 0.0) / 2**10:.1f} |")
     return lines
 
 

@@ -15,7 +15,9 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
 * **accumulators**: the stage weights' gradients ``[v, (G,) k, ...]`` (``G``, the row groups of
   ``groups.py``, is split over the row axes: one group per device) and the rest's, per
   micro-batch and ``[G, ...]`` per group (``ends.py``); the loop's results are their sums, a
-  buffer of the step's own.
+  buffer of the step's own.  Reduce-scattered (ZeRO), the stage weights' whole accumulator
+  and the loop body's sum of it; at level 3 also its carry, which at lower levels XLA puts
+  in the updated weights' output allocation (whole there, the weight's slice at level 3).
 * **one tick**: what a chunk's forward or backward makes and drops within the tick: the
   chunk's weights taken from the stage's stack, its residuals before they are written to their
   slot (or, recomputing, the whole chunk's residuals, which the backward remakes), and its
@@ -33,7 +35,10 @@ and level 1, stored residuals, row groups on and off; recomputed without row gro
 1.10-1.16 on the three that recompute with row groups; the residual is where XLA writes part
 of a tick's transient in place or into the step's outputs not yet made (over: the loop is one
 temporary here, larger than any output, so it shares none) or copies an accumulator once more
-(under).
+(under).  At ZeRO level 3 (the stacked weights split, gathered by the step before the loop)
+the accumulator's carry finds no output allocation to live in, and where a scan runs forward
+and backward ticks on one chunk per stage XLA holds the gathered weights twice: both counted
+(the GPT, S=2 M=4 1F1B level 3: 0.953 of the compiled total; 0.832 without them).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
@@ -76,6 +81,9 @@ class LoopMemory:
       slots: layer slots per chunk ``k``; repeats: chunks per stage ``v``.
       layer_stored: one layer's stored residuals per micro-batch; ``how``: ``"traced"`` (the
         probe's leaves) or ``"graph"`` (every operator result of a layer, before tracing).
+      weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
+        where one scan runs forward and backward ticks on one chunk per stage
+        (:func:`_weight_copies`).
     """
 
     residual_slots: float
@@ -90,11 +98,12 @@ class LoopMemory:
     repeats: int
     layer_stored: float
     how: str = "graph"
+    weight_copies: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.residual_slots + self.activation_slots + self.cotangent_slots
-                + self.accumulators + self.tick)
+                + self.accumulators + self.tick + self.weight_copies)
 
     def explain(self) -> str:
         """One line for ``plan.pipeline.explain()``."""
@@ -102,7 +111,9 @@ class LoopMemory:
                 f"({self.res_slots} + 1 scratch x {self.slots} layers x "
                 f"{_bytes(self.layer_stored)}, {self.how}), activation + cotangent slots "
                 f"{_bytes(self.activation_slots + self.cotangent_slots)}, gradient "
-                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}")
+                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}"
+                + (f", gathered weights' second copy {_bytes(self.weight_copies)}"
+                   if self.weight_copies else ""))
 
 
 def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
@@ -216,7 +227,28 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
                  full_bytes=full, carried_bytes=carried,
                  recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
                  tick_grad_bytes=_rest_grads(program, mesh))
-    return dataclasses.replace(m, how="traced" if traced is not None else "graph")
+    return dataclasses.replace(m, how="traced" if traced is not None else "graph",
+                               weight_copies=_weight_copies(program, mesh) if backward else 0.0)
+
+
+def _weight_copies(program: Any, mesh: MeshShape) -> float:
+    """ZeRO level 3 (the stacked weights split as their moments, gathered by the step before
+    the loop): the gathered stage weights a second time, where a scan of the loop (a phase,
+    ``slots.py``) runs forward and backward ticks (1F1B's steady state) on one chunk per
+    stage (``v = 1``).  The all-gather makes them with the gathered dimension major, and XLA
+    copies them into each shape the loop reads them in (the buffer assignments of
+    ``--xla_dump_to``): the toy stack and the GPT under 1F1B, two copies (``[k, ...]`` and
+    ``[v, k, ...]``), GPipe (a forward phase, then a backward one) one; interleaved (``v =
+    2``: a tick slices its chunk out of the stack) one, by the compiled totals (the toy's
+    interleaved 1F1B: 0.967 of the compiled total without the copy, 1.096 with it).  The
+    step's model counts the gathered value once."""
+    if not program.params_split or program.config.repeats != 1:
+        return 0.0
+    if not any(f and b for _, _, f, b in SlotTables.of(program.schedule).phases()):
+        return 0.0
+    weights = [program.graph.values[program.rep_layer.weights[program.stacked[j]]]
+               for j, _, _ in program.scatters]
+    return sum(program.split.slots * _local(w, program.spec(w.id), mesh) for w in weights)
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:
@@ -239,9 +271,12 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
         # the accumulator [v, G, k, ...] (one group per device), summed over the row axes
         # after the loop into the result: by all-reduce, the result a buffer of its own, or,
         # reduce-scattered, also the collective's operand, the group dropped ([v, k, ...]):
-        # each whole
+        # each whole.  Reduce-scattered at level 1, XLA's buffer assignment puts the loop's
+        # accumulator carry in the updated weights' output allocation (whole, made after the
+        # loop: the toy's dump); at level 3 that output is the weight's slice, 1/G as large,
+        # so the carry is a buffer of its own: one more
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
-        copies = 2 if j in scattered else 1
+        copies = (3 if program.params_split else 2) if j in scattered else 1
         total += copies * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
     for i in ends.grouped if ends.on else ():
         vid = program.rest[i]

@@ -86,6 +86,9 @@ class PipelineProgram:
     # ZeRO: (rest index, dimension, axes) of the ends' gradients summed over the row groups
     # by reduce-scatter, that dimension split further over the row axes (ends.end_scatters)
     rest_scatters: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
+    # ZeRO level 3: the scattered stacked weights are split as their moments too (the step
+    # gathers them before the loop), so their updated values, the step's outputs, are slices
+    params_split: bool = False
 
     @property
     def rep_layer(self) -> Layer:
@@ -250,7 +253,8 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
-        costs["act_bytes"], groups, scatters, ends, rest_scatters)
+        costs["act_bytes"], groups, scatters, ends, rest_scatters,
+        bool(scatters) and optimizer is not None and optimizer.shards_parameters)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
