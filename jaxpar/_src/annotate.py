@@ -143,8 +143,11 @@ class _Annotator:
             return var if isinstance(var, jcore.Literal) else jcore.Literal(
                 operand.value, var.aval)
         x = env[operand]
+        if spec is None:
+            return x
         value = self.graph.values[operand]
-        if spec is None or spec == self.plan.decisions[value.producer].out_specs[value.index]:
+        made = self.plan.decisions[value.producer].out_specs[value.index]
+        if spec is made or spec == made:
             return x
         again = self.regather.applies(nid, operand)  # level 3: the backward's own gather
         key = (operand, spec, again)

@@ -276,16 +276,9 @@ def scoped_source_info(source_info: Any, scope: str) -> Any:
     ``jax.named_scope(scope)`` around its equation would have given)."""
     if _siu is None:  # pragma: no cover - a JAX without the module: names are only metadata
         return source_info
-    base = _SCOPES.get(scope)
-    if base is None:
-        if len(_SCOPES) > 1 << 16:
-            _SCOPES.clear()
-        base = _SCOPES[scope] = _siu.new_name_stack(scope)
-    own = source_info.name_stack
-    return _siu.SourceInfo(source_info.traceback, base + own if own.stack else base)
-
-
-_SCOPES: dict[str, Any] = {}  # name stacks of one scope: one per plan node, not per equation
+    # new_name_stack(scope) + own, built in one step (a lowering makes one per equation)
+    return _siu.SourceInfo(source_info.traceback, _siu.NameStack(
+        (_siu.Scope(scope), *source_info.name_stack.stack)))
 
 
 def call_closed_jaxpr(closed: jcore.ClosedJaxpr, args: Sequence[Any], *, name: str

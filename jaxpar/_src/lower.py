@@ -128,23 +128,29 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         spec, shape = d.out_specs[0], values[node.outputs[0]].shape
         dims, rank = spec.dims, len(shape)
         covered: set[int] = set()  # the result's split dimensions some operand is split on
+        whole = False  # an operand of the result's shape read in its layout covers them all
         for operand, read in zip(node.inputs, d.in_specs, strict=True):
             if isinstance(operand, Const):
                 if operand.shape:
                     return False
                 continue
             v = values[operand]
-            if not v.shape and shape:  # a scalar operand (Adam's bias correction) has no layout
+            vshape = v.shape
+            if not vshape and shape:  # a scalar operand (Adam's bias correction) has no layout
                 continue
-            if read != decisions[v.producer].out_specs[v.index] or not \
-                    len(v.shape) == rank == len(read.dims) == len(dims):
+            made = decisions[v.producer].out_specs[v.index]
+            if read is not made and read != made or not \
+                    len(vshape) == rank == len(read.dims) == len(dims):
                 return False  # (ZeRO's restacked partial sums carry one more dimension)
-            for k, (n, want, got) in enumerate(zip(v.shape, dims, read.dims, strict=True)):
+            if vshape == shape and read.dims == dims:  # the common case, dimension by dimension
+                whole = True  # below: every k covered
+                continue
+            for k, (n, want, got) in enumerate(zip(vshape, dims, read.dims, strict=True)):
                 if n == shape[k] and got == want:
                     covered.add(k)
                 elif got or n != 1:
                     return False  # a size-1 dimension (broadcast) stays whole
-        return all(k in covered for k, axes in enumerate(dims) if axes)
+        return whole or all(k in covered for k, axes in enumerate(dims) if axes)
 
     def readers_as_made(vid: int, spec: Spec) -> frozenset[NodeKind] | None:
         """The kinds of node that read ``vid`` (of :data:`_READERS`), if every reader is an
@@ -156,8 +162,10 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         kinds = set()
         for u in uses:
             reader = nodes[u.consumer]
-            if reader.kind not in _READERS or reader.remat is not None or \
-                    decisions[u.consumer].in_specs[u.in_index] != spec:
+            if reader.kind not in _READERS or reader.remat is not None:
+                return None
+            read = decisions[u.consumer].in_specs[u.in_index]
+            if read is not spec and read != spec:
                 return None
             kinds.add(reader.kind)
         return frozenset(kinds)
