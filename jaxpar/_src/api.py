@@ -62,7 +62,6 @@ from jaxpar._src.plan_cache import (
 )
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
-from jaxpar._src.preload import Preload, hint_digest, leave_hint
 from jaxpar._src.program_memory import with_lowered_memory
 from jaxpar._src.recompute import POLICIES, choosing
 from jaxpar._src.recompute_choice import (
@@ -113,10 +112,8 @@ class Compiled:
     in_shardings: tuple[Any, ...]  # flat, per dynamic leaf
     timings: Mapping[str, float]  # seconds: trace, search (plan), executable (its loading)
     loaded: Loaded | None = None  # the executable loaded from the plan cache
-    # (directory, key, hint) while the executable is still to be stored in the plan cache
-    # (hint: what the next process preloads it by, preload.py)
-    pending: list[tuple[str, ExecutableKey, str | None]] = dataclasses.field(
-        default_factory=list)
+    # (directory, key) while the executable is still to be stored in the plan cache
+    pending: list[tuple[str, ExecutableKey]] = dataclasses.field(default_factory=list)
 
     @property
     def jitted(self) -> Any:
@@ -181,10 +178,7 @@ class Parallelized:
             runner = entry.runner
             out = runner(*full)
         if keep is not None:  # serialized and written while the step runs, not before it
-            directory, key, compiled, hint = keep
-            store_in_background(directory, key, compiled, api=self._info.api)
-            if hint is not None:  # the next process loads it while it traces
-                leave_hint(directory, hint, key, entry.program.out_tree, api=self._info.api)
+            store_in_background(*keep, api=self._info.api)
         self._fast.remember(ctx, algo, runner)
         return out
 
@@ -218,7 +212,7 @@ class Parallelized:
 
     # -- internals ----------------------------------------------------------------------------
     def _compile_to_keep(self, entry: Compiled, full: list
-                         ) -> tuple[str, ExecutableKey, Any, str | None] | None:
+                         ) -> tuple[str, ExecutableKey, Any] | None:
         """Compiles the entry's program: the directory, key and executable to store in the plan
         cache (``executable_cache.py``), or ``None`` (nothing to keep).  The call stores it
         after dispatching the step (:func:`store_in_background`): the serialization holds the
@@ -229,10 +223,10 @@ class Parallelized:
         caches, and no abstract copy of the arguments is made (880 leaves of a 24-layer GPT)."""
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(full)):
             return None  # called inside a transformation: no executable of its own to keep
-        directory, key, hint = entry.pending.pop()
+        directory, key = entry.pending.pop()
         # kept in the plan cache, which a later process reads: not also in JAX's cache
         compiled = compile_to_keep(entry.jitted.lower(*full), jax_cache_write=False)
-        return None if compiled is None else (directory, key, compiled, hint)
+        return None if compiled is None else (directory, key, compiled)
 
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
                 ) -> list:
@@ -313,18 +307,11 @@ class Parallelized:
             check_save_path(settings.ckpt_save, f"{info.api}: strategy_ckpt_save_file")
         names = info.arg_names(len(args))
         mesh = settings.mesh
-        cache_dir = config.plan_cache_dir
-        hint = preload = None
-        if cache_dir and storable() and not settings.ckpt_load and \
-                settings.mode is not ParallelMode.STAND_ALONE:
-            # the executable a hint names, deserialized while the step traces (preload.py)
-            hint = hint_digest(info.fn, signature, settings)
-            preload = Preload(cache_dir, hint, call_in_tree(args, info.static_argnums),
-                              list(mesh.devices.flat))
         program, batch, layers = self._trace(args, settings, names, None)
         t1 = time.perf_counter()
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
         # The persistent plan cache (plan_cache.py); a strategy file, when given, is the plan.
+        cache_dir = config.plan_cache_dir
         key = plan = rung = text_sha = None
         hit = False
         if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
@@ -379,16 +366,11 @@ class Parallelized:
                     donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
                     platform=mesh.devices.flat[0].platform)
                 tree = dynamic_tree(args, info.static_argnums)
-                compiled = None
-                if hit:
-                    compiled = (preload.take(cache_dir, exec_key, program.out_tree)
-                                if preload is not None else None) or load_executable(
-                        cache_dir, exec_key, call_in_tree(args, info.static_argnums),
-                        program.out_tree, list(mesh.devices.flat), api=info.api)
-                if compiled is not None and hint is not None:  # another guess next time
-                    leave_hint(cache_dir, hint, exec_key, program.out_tree, api=info.api)
+                compiled = load_executable(
+                    cache_dir, exec_key, call_in_tree(args, info.static_argnums),
+                    program.out_tree, list(mesh.devices.flat), api=info.api) if hit else None
                 if compiled is None:
-                    pending.append((cache_dir, exec_key, hint))
+                    pending.append((cache_dir, exec_key))
                 else:
                     loaded = Loaded(compiled, tree, signature, info.static_argnums, build)
                     plan = dataclasses.replace(plan, notes=plan.notes[:-1] + (
