@@ -367,3 +367,27 @@ def test_propagation_answers_each_repeated_question_once(monkeypatch):
     fresh = propagation.propagate(SearchSpace(program.graph, model), pins).strategies
     assert fresh == remembered
     assert once < len(answered) / 2, (once, len(answered))
+
+
+def test_equal_rules_are_one_object_and_layouts_compare_as_dataclasses():
+    """The nodes of repeated layers derive equal rules; the search space keeps one object per
+    distinct rule (issue 14: the caches keyed by rules then hit by identity), and layouts and
+    strategies compare equal exactly when their fields do (identity and kept hash first)."""
+    from jaxpar._src.rules import OpStrategy
+    from jaxpar._src.spec import Spec
+
+    program = _residual_stack(4)
+    model = CostModel(MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp"))), HardwareProfile())
+    space = SearchSpace(program.graph, model)
+    rules = [space.rule(n.id) for n in program.graph.searchable()]
+    assert len({id(r) for r in rules}) == len(set(rules)) < len(rules)
+    assert [space.rule(n.id) for n in program.graph.searchable()] == rules
+
+    a, b, c = Spec((("dp",), ())), Spec((("dp",), ())), Spec(((), ("dp",)))
+    assert a == b and a is not b and not a != b and a != c and a != (("dp",), ())
+    s = OpStrategy(((), ("dp",)), (a,), (a,))
+    assert s == OpStrategy(((), ("dp",)), (b,), (b,))
+    for other in (OpStrategy(((), ("dp",)), (c,), (a,)), OpStrategy(((), ("dp",)), (a,), (c,)),
+                  OpStrategy((("dp",), ()), (a,), (a,)),
+                  OpStrategy(((), ("dp",)), (a,), (a,), (("dp", "sum"),))):
+        assert s != other and not s == other

@@ -81,6 +81,16 @@ class Spec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's comparison, faster: the same object is equal, and unequal layouts
+        # almost always differ in their kept hash (plans compare layouts by the hundred
+        # thousand, mostly one object or two unequal ones: issue 14).
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._hash == other._hash and self.dims == other.dims
+
     @classmethod
     def replicated(cls, ndim: int) -> Spec:
         return cls(((),) * ndim)

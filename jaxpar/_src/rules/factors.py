@@ -159,6 +159,19 @@ class OpStrategy:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's comparison, faster: the same object first, then the kept hashes
+        # (the search's caches meet equal strategies that are distinct objects: issue 14).
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self._hash == other._hash
+                and self.factor_axes == other.factor_axes
+                and self.in_specs == other.in_specs
+                and self.out_specs == other.out_specs
+                and self.partial == other.partial)
+
     @property
     def axes_used(self) -> int:
         return sum(len(a) for a in self.factor_axes)

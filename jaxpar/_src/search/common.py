@@ -62,6 +62,10 @@ class SearchSpace:
         # is priced with their second gathers for the backward pass (regather.py).
         self.regathered: frozenset[int] = frozenset()
         self._rules: dict[int, FactorRule] = {}
+        # One object per distinct rule: the nodes of repeated layers derive equal rules, and
+        # the search's caches are keyed by them; a look-up with the same object is an
+        # identity hit, with an equal other one a field-by-field comparison (issue 14).
+        self._canonical: dict[FactorRule, FactorRule] = {}
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
         self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
@@ -79,7 +83,8 @@ class SearchSpace:
         rule = self._rules.get(nid)
         if rule is None:
             node = self.graph.nodes[nid]
-            rule = self._rules[nid] = rule_for(self.graph, node, self._op_view(node))
+            rule = rule_for(self.graph, node, self._op_view(node))
+            rule = self._rules[nid] = self._canonical.setdefault(rule, rule)
         return rule
 
     def _op_view(self, node: Node) -> OpView | None:
@@ -196,6 +201,7 @@ class SearchSpace:
         other = SearchSpace(self.graph, self.model, self.optimizer_level)
         other.regathered = self.regathered
         other._rules = self._rules
+        other._canonical = self._canonical
         other._views = self._views
         other._op_views = self._op_views
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
