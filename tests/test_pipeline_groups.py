@@ -287,6 +287,88 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
         colls.table()
 
 
+@pytest.mark.parametrize("schedule", [  # GPipe at 1 row per group, NaN bubbles, also in
+    pytest.param("gpipe", marks=pytest.mark.slow),  # test_pipeline.py's GPT (no collectives)
+    "1f1b"])
+def test_one_row_per_group_sums_the_loss_after_the_loop(schedule):
+    # 16 rows, 4 micro-batches over dp = 4: 1 row per group.  Traced at 1 row,
+    # take_along_axis takes the row dimension of 1 for a broadcast (its indices reshaped
+    # without it, another gather): the proof follows the squeezed rows (groups._one_row), so
+    # the loss's tail runs per group as at 2 rows (before: its scalar sum crossed dp inside
+    # the loop each micro-batch)
+    loss, p, tokens, labels = _lm()
+    tokens, labels = tokens[:16], labels[:16]
+    value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, schedule)
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(p, tokens, labels)  # one device
+    _close(value, grad, ref_value, ref_grad)
+    red = pipe.gradient_reduction
+    assert "4 groups of 1 rows" in red.why, red.why
+    assert program.ends.affine is not None and red.loss_bytes == 4, red.ends_why
+    inside, after = _in_loop(colls)
+    assert not inside, colls.table()
+    assert sum(r.nbytes for r in after if r.kind == "all-reduce") == red.after_loop_bytes, \
+        colls.table()
+
+
+def _prove(fn, rows, groups, shapes):
+    """``groups.py``'s proof over every operator of ``fn`` traced at ``rows`` and at
+    ``rows / groups`` rows (its inputs ``[rows, *shape]``, rows on dimension 0): the state of
+    every value, or why it may mix rows."""
+    from jaxpar._src.graph import NodeKind
+    from jaxpar._src.pipeline.groups import row_step
+    from jaxpar._src.trace import trace
+
+    def args(r):
+        return [jnp.zeros((r, *s), d) for s, d in shapes]
+
+    big, small = (trace(fn, args(r)).graph for r in (rows, rows // groups))
+    assert [n.name for n in big.nodes] == [n.name for n in small.nodes]
+    state = {big.nodes[i].outputs[0]: (0, 1) for i in big.inputs}
+    ops = [n.id for n in big.nodes if n.kind is NodeKind.OP]
+    made = {v for i in ops for v in big.nodes[i].outputs}
+    for i in ops:
+        why = row_step(big, small, i, state, made, {}, state, {}, rows, groups)
+        if why:
+            return why
+    out = big.nodes[big.outputs[0]].inputs[0]
+    return state, state[out]
+
+
+def _label_logit(mode_at_1_row=None):
+    def fn(logits, labels):
+        mode = mode_at_1_row if logits.shape[0] == 1 else None
+        return jnp.take_along_axis(logits, labels[..., None], axis=-1, mode=mode)
+    return fn
+
+
+LOGITS = [((3, 5), jnp.float32), ((3,), jnp.int32)]
+
+
+def test_the_proof_follows_the_row_dimension_squeezed_at_1_row():
+    import optax
+
+    def ce(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+    for fn in (ce, _label_logit()):
+        for groups in (2, 4):  # 2 rows per group: no squeeze; 1 row: the indices squeezed
+            state, out = _prove(fn, 4, groups, LOGITS)
+            assert out == (0, 1)  # the result carries the rows on dimension 0
+            assert ((0, 0) in state.values()) == (groups == 4), state
+    # a squeezed value read by anything but the gather take_along_axis makes of it, or by a
+    # gather traced otherwise at 1 row (here: clipping, not filling), is refused
+    why = _prove(_label_logit("clip"), 4, 4, LOGITS)
+    assert "squeezed, traced there as another gather" in why, why
+
+    def squeeze_then_scale(x):
+        h = x.reshape(x.shape[1:] + (1,) if x.shape[0] == 1 else (*x.shape, 1))
+        return h * 2
+
+    why = _prove(squeeze_then_scale, 4, 4, [((3,), jnp.float32)])
+    assert why.startswith("mul reads a value whose row dimension the trace at 1 row "
+                          "squeezed"), why
+
+
 @pytest.mark.slow  # ~25 CPU s compiling a step (the refusals: test_pipeline_tail.py)
 def test_a_loss_not_affine_in_its_sum_over_the_rows_sums_it_per_micro_batch():
     loss, p, tokens, labels = _lm(tail=jnp.log)  # the log of the mean cross-entropy

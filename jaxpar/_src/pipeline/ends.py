@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar._src.graph import Const, OpGraph
-from jaxpar._src.pipeline.groups import MIXED, RowDim, row_step, strip
+from jaxpar._src.pipeline.groups import MIXED, SQUEEZED, RowDim, row_step, strip
 from jaxpar._src.pipeline.layers import members
 from jaxpar._src.pipeline.tail import AffineTail, affine_tail
 from jaxpar._src.spec import MeshShape, Spec
@@ -262,6 +262,10 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
                     if v in made and made[v] not in tail_set})
     bad = [v for v in bound if state.get(v) in (None, MIXED)]
     assert not bad, bad  # the closure above moved the row-free ones into the tail
+    squeezed = [v for v in bound if state[v][1] == SQUEEZED]
+    if squeezed:  # the head's value for the tail has no row dimension at 1 row per group
+        return (f"the loss's tail reads a value the trace at {rows // size} row(s) shapes "
+                f"without its rows ({graph.values[squeezed[0]].shape})")
     return _Split(head, tail, tuple((v, state[v][0]) for v in bound),
                   {v: s for v, s in sliced.items() if any(v in _reads(graph, [t]) for t in head)},
                   tuple(sorted({where[v] for v, _ in late})), stops)

@@ -42,6 +42,9 @@ from jaxpar._src.spec import MeshShape, Spec
 # reshape may merge the rows with a dimension after them: [rows, seq] -> [rows * seq]).
 RowDim = tuple[int, int]
 MIXED = (-1, -1)  # the state of a value that depends on rows of two groups (ends.py's tail)
+# the ``minor`` of a value whose row dimension (of 1 row per group) the trace at ``rows / G``
+# rows squeezed away (a size-1 dimension taken for a broadcast): only a gather may read it
+SQUEEZED = 0
 
 ELEMENTWISE = frozenset("""
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy
@@ -166,6 +169,10 @@ def _without(plan: ShardingPlan, small: OpGraph, axes: tuple[str, ...]) -> Shard
 
 
 def _fit(spec: Spec, shape: Sequence[int], mesh: MeshShape, drop: tuple[str, ...]) -> Spec:
+    if spec.ndim == len(shape) + 1:  # the row dimension squeezed at 1 row (_squeezed)
+        rows = next((e for e, d in enumerate(spec.dims) if set(d) & set(drop)), None)
+        spec = Spec.replicated(len(shape)) if rows is None else \
+            Spec(spec.dims[:rows] + spec.dims[rows + 1:])
     if spec.ndim != len(shape):
         return spec
     dims = []
@@ -273,7 +280,9 @@ def row_step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim],
                 return f"{node.name} ({node.source}) reads a value shaped by the row count"
             cut[o] = c
     ins = [None if isinstance(o, Const) else state.get(o) for o in node.inputs]
-    if node.kind is NodeKind.OP:
+    if any(s is not None and s[1] == 0 for s in ins):  # a value the 1-row trace squeezed
+        outs = _one_row(node, small.nodes[nid], ins, graph, rows, small)
+    elif node.kind is NodeKind.OP:
         outs = _through(node, ins, graph, rows, small)
     elif any(s is not None for s in ins):
         return f"rows enter a {node.name} region ({node.source})"
@@ -289,8 +298,60 @@ def row_step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim],
             want[s[0]] //= groups
             local[vid] = s
         if tuple(small.values[vid].shape) != tuple(want):
+            if s is not None and _squeezed(node, s, want, small.values[vid].shape):
+                local[vid] = (s[0], SQUEEZED)
+                continue
             return f"{node.name} ({node.source}) is shaped by the row count without carrying rows"
     return None
+
+
+def _squeezed(node: Any, s: RowDim, want: list[int], got: Sequence[int]) -> bool:
+    """A reshape that, traced at 1 row, drops the row dimension (of size 1) its whole-batch
+    trace keeps: ``take_along_axis`` takes a dimension of 1 for a broadcast and reshapes the
+    indices without it.  Row-major data is the same with or without a dimension of 1, so
+    the 1-row value is the group's slice of the whole one, squeezed."""
+    d, minor = s
+    return node.name == "reshape" and minor == 1 and want[d] == 1 and \
+        tuple(got) == tuple(want[:d] + want[d + 1:])
+
+
+def _one_row(node: Any, little: Any, ins: list[RowDim | None], graph: OpGraph, rows: int,
+             small: OpGraph) -> list[RowDim | None] | str:
+    """The row dimensions of an operator reading a value the 1-row trace squeezed
+    (:func:`_squeezed`): only the gather that pairs the rows of its operand and indices as
+    batching dimensions, which at 1 row the trace writes with the operand's row dimension as
+    an offset dimension (its whole size, 1) and the indices without it; the same elements
+    (a batching index and an offset of a dimension of 1 both read its entry 0).  Anything
+    else reading a squeezed value is refused."""
+    why = f"{node.name} reads a value whose row dimension the trace at 1 row squeezed"
+    if node.name != "gather" or ins[0] is None or ins[1] is None or ins[1][1] != 0 or \
+            ins[0][1] == 0:
+        return why
+    whole: list[RowDim | None] = [ins[0], (ins[1][0], 1)]
+    outs = _through(node, whole, graph, rows, small)
+    if isinstance(outs, str):
+        return outs
+    p, q = node.eqn.params, little.eqn.params
+    b, t = p["dimension_numbers"], q["dimension_numbers"]
+    od, i = ins[0][0], ins[1][0]
+    if i not in b.start_indices_batching_dims:
+        return why
+    assert od == b.operand_batching_dims[b.start_indices_batching_dims.index(i)]
+    e = outs[0][0]  # type: ignore[index]
+    rank = len(graph.operand_shape(node.inputs[0]))
+    kept = [k for k in range(rank) if k not in b.collapsed_slice_dims
+            and k not in b.operand_batching_dims]
+    at = dict(zip(kept, b.offset_dims, strict=True)) | {od: e}
+    expect = (tuple(at[k] for k in sorted(at)), tuple(b.collapsed_slice_dims),
+              tuple(b.start_index_map), tuple(k for k in b.operand_batching_dims if k != od),
+              tuple(k - (k > i) for k in b.start_indices_batching_dims if k != i))
+    got = (tuple(t.offset_dims), tuple(t.collapsed_slice_dims), tuple(t.start_index_map),
+           tuple(t.operand_batching_dims), tuple(t.start_indices_batching_dims))
+    same = all(p[k] == q[k] or (p[k] != p[k] and q[k] != q[k])  # fill_value: NaN
+               for k in p if k not in ("dimension_numbers", "slice_sizes"))
+    if got != expect or not same or tuple(p["slice_sizes"]) != tuple(q["slice_sizes"]):
+        return f"{why}, traced there as another gather"
+    return outs
 
 
 def _row_broadcast(graph: OpGraph, small: OpGraph, vid: int) -> tuple[int, int] | None:
