@@ -334,9 +334,9 @@ def _prove(fn, rows, groups, shapes):
     return state, state[out]
 
 
-def _label_logit(mode_at_1_row=None):
-    def fn(logits, labels):
-        mode = mode_at_1_row if logits.shape[0] == 1 else None
+def _label_logit(mode_at_1_row=None, rows=1):
+    def fn(logits, labels):  # another gather mode when traced at ``rows`` rows
+        mode = mode_at_1_row if logits.shape[0] == rows else None
         return jnp.take_along_axis(logits, labels[..., None], axis=-1, mode=mode)
     return fn
 
@@ -367,6 +367,9 @@ def test_the_proof_follows_the_row_dimension_squeezed_at_1_row():
     why = _prove(squeeze_then_scale, 4, 4, [((3,), jnp.float32)])
     assert why.startswith("mul reads a value whose row dimension the trace at 1 row "
                           "squeezed"), why
+    # at 2 rows per group too: the group's trace must run the operator the proof read
+    why = _prove(_label_logit("clip", rows=2), 4, 2, LOGITS)
+    assert why.startswith("gather's mode is "), why
 
 
 @pytest.mark.slow  # ~25 CPU s compiling a step (the refusals: test_pipeline_tail.py)

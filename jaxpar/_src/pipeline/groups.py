@@ -33,6 +33,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.extend.core as jcore
+
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.pipeline.layers import members
 from jaxpar._src.plan import ShardingPlan
@@ -283,6 +285,9 @@ def row_step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim],
     if any(s is not None and s[1] == 0 for s in ins):  # a value the 1-row trace squeezed
         outs = _one_row(node, small.nodes[nid], ins, graph, rows, small)
     elif node.kind is NodeKind.OP:
+        why = _same_operator(node, small.nodes[nid])
+        if why is not None:
+            return f"{why} ({node.source})"
         outs = _through(node, ins, graph, rows, small)
     elif any(s is not None for s in ins):
         return f"rows enter a {node.name} region ({node.source})"
@@ -303,6 +308,37 @@ def row_step(graph: OpGraph, small: OpGraph, nid: int, state: dict[int, RowDim],
                 continue
             return f"{node.name} ({node.source}) is shaped by the row count without carrying rows"
     return None
+
+
+def _same_operator(node: Any, little: Any) -> str | None:
+    """Why the group's trace runs another operator than the whole micro-batch's (which the
+    proof reads), or ``None``: the same primitive with the same parameters but for sizes
+    (tuples of integers of one length, or a reshape's, which the shapes checked after
+    follow) and nested jaxprs (their operators are nodes of their own).  A function that
+    branches on the row count (``mode="clip"`` in a gather only at a group's rows, say)
+    would otherwise be proven on one program and run as another."""
+    if little.name != node.name:
+        return f"{node.name} is traced as {little.name} at a group's rows"
+    mine, theirs = node.eqn.params, little.eqn.params
+    if mine.keys() != theirs.keys():
+        return f"{node.name} is traced with other parameters at a group's rows"
+    for key, a in mine.items():
+        b = theirs[key]
+        if _sizes(a) and _sizes(b) and (len(a) == len(b) or key == "new_sizes"):
+            continue  # sizes (a reshape's may drop a row dimension of 1: _squeezed checks)
+        if isinstance(a, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+            continue
+        try:
+            same = bool(a == b) or (a != a and b != b)  # a NaN fill value equals itself
+        except Exception:  # noqa: BLE001 - parameters that do not compare: not the same
+            same = False
+        if not same:
+            return f"{node.name}'s {key} is {b!r} at a group's rows, {a!r} at the whole"
+    return None
+
+
+def _sizes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
 def _squeezed(node: Any, s: RowDim, want: list[int], got: Sequence[int]) -> bool:
