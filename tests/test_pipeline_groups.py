@@ -218,6 +218,15 @@ def _lm_step(loss, p, tokens, labels, schedule):  # (dp, pp) = (4, 2): 2 rows pe
         return value, grad, colls, step.plan(p, tokens, labels).pipeline, cell.last_program
 
 
+def _micro_batch_mean(loss):
+    """One device's loss where the loss mixes a micro-batch's rows: the mean of ``loss`` over
+    the 4 micro-batches (rows ``m::4``), each computed alone."""
+    def reference(p, tokens, labels):
+        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
+
+    return reference
+
+
 def _close(value, grad, ref_value, ref_grad):
     assert np.isfinite(value) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grad))
     np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
@@ -267,10 +276,9 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
     loss, p, tokens, labels = _lm(normalize_before_head=True)
     value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, "1f1b")
 
-    def reference(p, tokens, labels):  # the statistic is over a micro-batch's rows
-        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
-
-    ref_value, ref_grad = jax.jit(jax.value_and_grad(reference))(p, tokens, labels)
+    # the statistic is over a micro-batch's rows
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(_micro_batch_mean(loss)))(
+        p, tokens, labels)
     _close(value, grad, ref_value, ref_grad)
     red = pipe.gradient_reduction
     # the head reads the normalized rows: its gradient contracts over every row of the
@@ -377,10 +385,9 @@ def test_a_loss_not_affine_in_its_sum_over_the_rows_sums_it_per_micro_batch():
     loss, p, tokens, labels = _lm(tail=jnp.log)  # the log of the mean cross-entropy
     value, grad, colls, pipe, program = _lm_step(loss, p, tokens, labels, "1f1b")
 
-    def reference(p, tokens, labels):  # the log is of each micro-batch's mean
-        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
-
-    ref_value, ref_grad = jax.jit(jax.value_and_grad(reference))(p, tokens, labels)
+    # the log is of each micro-batch's mean
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(_micro_batch_mean(loss)))(
+        p, tokens, labels)
     _close(value, grad, ref_value, ref_grad)
     red = pipe.gradient_reduction
     # the head still runs per group (its gradients summed after the loop), the tail on the
@@ -519,13 +526,11 @@ def test_a_weight_also_read_whole_adds_its_reduced_part_to_the_scattered_one():
         logp = jax.nn.log_softmax(x @ p["head"])
         return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
-    def reference(p, tokens, labels):  # the statistic is over a micro-batch's rows
-        return jnp.mean(jnp.stack([loss(p, tokens[m::4], labels[m::4]) for m in range(4)]))
-
     _, p, tokens, labels = _lm()
     p = {k: p[k] for k in ("emb", "gate", "head", "w")}
+    # the statistic is over a micro-batch's rows: one device runs each alone
     colls, pipe, program = _lm_train(loss, p, tokens, labels, schedule="1f1b", level="level1",
-                                     reference=reference)
+                                     reference=_micro_batch_mean(loss))
     names = {i: k for k, i in _rest_names(program, p).items()}
     gate = _rest_names(program, p)["gate"]
     assert gate in program.ends.grouped and gate not in program.ends.only

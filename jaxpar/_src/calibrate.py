@@ -17,8 +17,9 @@ What is measured, with every device of the mesh busy at once (as in a training s
 * the fixed cost of one operator (``HardwareProfile.operator_latency``, what the pipeline's
   stage split charges each traced operator beside its FLOPs): the forward and backward of a
   small residual block (layer norm, two ``16 x 32`` matmuls, gelu) per loop trip, its FLOPs'
-  time at the measured rate taken off, divided by the operators its forward traces to, times
-  ``1 + BACKWARD_FACTOR`` (the split's own accounting of a backward).
+  time at the measured rate taken off, divided by its forward's operators (the nodes of
+  jaxpar's graph, as the split counts them) times ``1 + BACKWARD_FACTOR`` (the split's own
+  accounting of a backward).
 
 Each time is the *slope* of a ``fori_loop`` that repeats the operation: the program is called
 with ``lo`` and ``hi`` trips (one compile: the trip count is an argument), and
@@ -51,7 +52,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar._src.errors import ContextError
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.split import BACKWARD_FACTOR
+from jaxpar._src.trace import trace
 from jaxpar._src.yardstick import ring_terms
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -416,34 +417,6 @@ def _block(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
     return x + jax.nn.gelu(h @ w1) @ w2
 
 
-def operator_count(fn: Callable[..., Any], *args: Any) -> int:
-    """The operators ``fn`` traces to: its jaxpr's equations, those of nested jaxprs (a
-    ``pjit``, a custom derivative) counted instead of the equation that holds them.
-
-    >>> operator_count(lambda x: jnp.tanh(x) * 2.0, jnp.ones(3))
-    2
-    """
-
-    def count(jaxpr: Any) -> int:
-        total = 0
-        for eqn in jaxpr.eqns:
-            inner = [j for v in eqn.params.values() for j in _jaxprs(v)]
-            total += sum(count(j) for j in inner) if inner else 1
-        return total
-
-    return count(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _jaxprs(value: Any) -> list[Any]:
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        return [value.jaxpr]
-    if isinstance(value, jax.extend.core.Jaxpr):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [j for v in value for j in _jaxprs(v)]
-    return []
-
-
 def _operator_latency(mesh: Mesh, rounds: int, flops_per_s: float, rows: int = 8,
                       d: int = 16, ff: int = 32) -> float:
     """Seconds per traced operator beyond its FLOPs, as the stage split prices a layer: one
@@ -468,7 +441,8 @@ def _operator_latency(mesh: Mesh, rounds: int, flops_per_s: float, rows: int = 8
     x = jax.device_put(jnp.broadcast_to(x0, (mesh.size, rows, d)), NamedSharding(mesh, P(names)))
     seconds = _slope(fn, x, rounds, target=0.02)
     forward_flops = 2.0 * rows * d * ff * 2  # the two matmuls
-    ops = operator_count(_block, x0, w1, w2)
+    # the operators as the split counts them: the nodes of jaxpar's graph of the block
+    ops = trace(_block, [x0, w1, w2]).graph.count("op")
     fixed = seconds / (1.0 + BACKWARD_FACTOR) - forward_flops / max(flops_per_s, 1.0)
     return max(fixed, 0.0) / ops
 
