@@ -328,13 +328,18 @@ def _same_operator(node: Any, little: Any) -> str | None:
             continue  # sizes (a reshape's may drop a row dimension of 1: _squeezed checks)
         if isinstance(a, (jcore.ClosedJaxpr, jcore.Jaxpr)):
             continue
-        try:
-            same = bool(a == b) or (a != a and b != b)  # a NaN fill value equals itself
-        except Exception:  # noqa: BLE001 - parameters that do not compare: not the same
-            same = False
-        if not same:
+        if not _equal(a, b):
             return f"{node.name}'s {key} is {b!r} at a group's rows, {a!r} at the whole"
     return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two operator parameters equal (a NaN fill value equals itself; parameters that do not
+    compare are not equal)."""
+    try:
+        return bool(a == b) or (a != a and b != b)
+    except Exception:  # noqa: BLE001 - e.g. arrays of several elements
+        return False
 
 
 def _sizes(x: Any) -> bool:
@@ -383,8 +388,7 @@ def _one_row(node: Any, little: Any, ins: list[RowDim | None], graph: OpGraph, r
               tuple(k - (k > i) for k in b.start_indices_batching_dims if k != i))
     got = (tuple(t.offset_dims), tuple(t.collapsed_slice_dims), tuple(t.start_index_map),
            tuple(t.operand_batching_dims), tuple(t.start_indices_batching_dims))
-    same = all(p[k] == q[k] or (p[k] != p[k] and q[k] != q[k])  # fill_value: NaN
-               for k in p if k not in ("dimension_numbers", "slice_sizes"))
+    same = all(_equal(p[k], q[k]) for k in p if k not in ("dimension_numbers", "slice_sizes"))
     if got != expect or not same or tuple(p["slice_sizes"]) != tuple(q["slice_sizes"]):
         return f"{why}, traced there as another gather"
     return outs

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import Const, NodeKind, OpGraph
+from jaxpar._src.pipeline.layers import members
 
 FREE, ROW, LIN, AFF = "free", "row", "lin", "aff"
 NOT_A_SUM = "of the rows is not a sum over them"
@@ -130,8 +131,6 @@ def affine_tail(graph: OpGraph, nodes: Sequence[int], bound: Mapping[int, int],
 
 def _inputs(graph: OpGraph, top: int) -> list[int]:
     """The value ids a top-level node (and what it nests) reads from outside itself."""
-    from jaxpar._src.pipeline.layers import members
-
     inner = members(graph, top)
     made = {v for n in inner for v in graph.nodes[n].outputs}
     return [o for n in inner for o in graph.nodes[n].inputs
