@@ -49,6 +49,8 @@ def test_someone_elses_freeze_is_left_alone() -> None:
         frozen = gc.get_freeze_count()
         with paused_gc():
             _ = [[] for _ in range(3 * PROMOTE_ABOVE)]
-        assert gc.get_freeze_count() == frozen  # not unfrozen by the pause
+        # Not unfrozen by the pause (that would empty the permanent generation).  Frozen objects
+        # that die meanwhile (another thread's, a pytest worker's) leave it, so not exactly equal.
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
