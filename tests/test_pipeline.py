@@ -384,7 +384,7 @@ def test_gpt_train_step_on_dp_tp_pp_with_model_train(tmp_path):
     # the blocks', the embedding's and the head's weight gradients are reduced over the row
     # axes once, after the loop (ends.py), and the loss's parts with them (tail.py): at 1 row
     # per group the loss traced at 1 row takes a label's logit by another gather (the row
-    # dimension of 1 squeezed from its indices), which the proof knows (groups._one_row)
+    # dimension of 1 squeezed from its indices), which the proof knows (rowflow._one_row)
     cell = next(v for k, v in model._steps.items() if isinstance(k, tuple) and k[0] == "pipeline")
     program = cell.last_program
     red = GradientReduction.of(program)

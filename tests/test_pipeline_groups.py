@@ -301,7 +301,7 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
 def test_one_row_per_group_sums_the_loss_after_the_loop(schedule):
     # 16 rows, 4 micro-batches over dp = 4: 1 row per group.  Traced at 1 row,
     # take_along_axis takes the row dimension of 1 for a broadcast (its indices reshaped
-    # without it, another gather): the proof follows the squeezed rows (groups._one_row), so
+    # without it, another gather): the proof follows the squeezed rows (rowflow._one_row), so
     # the loss's tail runs per group as at 2 rows (before: its scalar sum crossed dp inside
     # the loop each micro-batch)
     loss, p, tokens, labels = _lm()
@@ -323,7 +323,7 @@ def _prove(fn, rows, groups, shapes):
     ``rows / groups`` rows (its inputs ``[rows, *shape]``, rows on dimension 0): the state of
     every value, or why it may mix rows."""
     from jaxpar._src.graph import NodeKind
-    from jaxpar._src.pipeline.groups import row_step
+    from jaxpar._src.pipeline.rowflow import row_step
     from jaxpar._src.trace import trace
 
     def args(r):

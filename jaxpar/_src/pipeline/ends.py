@@ -8,7 +8,7 @@ over the groups once after the loop instead of all-reduced once per micro-batch 
 * the prologue's backward runs under ``jax.vmap`` over the groups (the loss traced at
   ``rows / G`` rows), the weights it reads broadcast to ``[G, ...]``; exact if no operator of
   it mixes rows of two groups (the same proof as the layers', operator by operator:
-  :func:`groups.row_step`, which knows the embedding's ``gather``);
+  :func:`rowflow.row_step`, which knows the embedding's ``gather``);
 * the epilogue ends in the loss, which mixes every row (a mean over the rows and tokens).  It
   splits in two: the *head*, every operator before the first that mixes rows, runs per group
   (its weights broadcast to ``[G, ...]``); the *tail*, the operators that read a mixed value
@@ -38,8 +38,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar._src.graph import Const, OpGraph
-from jaxpar._src.pipeline.groups import MIXED, SQUEEZED, RowDim, row_step, strip
+from jaxpar._src.pipeline.groups import strip
 from jaxpar._src.pipeline.layers import members
+from jaxpar._src.pipeline.rowflow import MIXED, SQUEEZED, RowDim, row_step
 from jaxpar._src.pipeline.tail import AffineTail, affine_tail
 from jaxpar._src.spec import MeshShape, Spec
 
