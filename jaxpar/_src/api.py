@@ -358,7 +358,7 @@ class Parallelized:
             arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
             flat_in = _in_shardings(plan, mesh, arrivals)
             build = functools.cache(functools.partial(
-                self._jit, program, plan, mesh, settings, arrivals))
+                self._jit, program, plan, mesh, settings, arrivals, flat_in))
             if cache_dir and key is not None and text_sha is not None and storable():
                 # the executable beside the plan (executable_cache.py)
                 exec_key = executable_key(
@@ -458,7 +458,7 @@ class Parallelized:
                              for n in program.graph.inputs]
                 arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
                 flat_in = _in_shardings(plan, settings.mesh, arrivals)
-                jitted = self._jit(program, plan, settings.mesh, settings, arrivals)
+                jitted = self._jit(program, plan, settings.mesh, settings, arrivals, flat_in)
                 # Lowered from the arguments as the call places them, so that the call's
                 # jax.jit finds this lowering and executable in its caches: no second compile.
                 lowered = jitted.lower(*placed_as(args, info.static_argnums, flat_in,
@@ -634,7 +634,10 @@ class Parallelized:
             return None
 
     def _jit(self, program: TracedProgram, plan: ShardingPlan, mesh: Mesh,
-             settings: Settings, arrivals: Sequence[Spec | None]) -> Any:
+             settings: Settings, arrivals: Sequence[Spec | None],
+             flat_in: tuple[Any, ...]) -> Any:
+        """The ``jax.jit`` of the plan's evaluator; ``flat_in``: :func:`_in_shardings` of the
+        plan and ``arrivals`` (the caller has them already)."""
         info = self._info
         graph = program.graph
         constrain = settings.mode is not ParallelMode.STAND_ALONE
@@ -643,7 +646,6 @@ class Parallelized:
         run = make_evaluator(graph, plan, mesh, constrain=constrain,
                              name=getattr(info.fn, "__name__", "parallelized"),
                              regather=regather)
-        flat_in = _in_shardings(plan, mesh, arrivals)
         # Leaves that arrive in another layout (full_batch) are sliced to the plan's on entry.
         entry = {k: named_sharding(mesh, s) for k, (s, a) in
                  enumerate(zip(plan.input_specs, arrivals, strict=True))
