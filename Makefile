@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+NOTEBOOKS := build/notebooks
+NBMAKE := --nbmake --nbmake-timeout=600
 
 # Eight emulated CPU devices, set before JAX starts (entry points also set jax_num_cpu_devices).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export PYTHONHASHSEED = 0
 
-.PHONY: help demo test test-fast lint notebooks bench clean chromium
+.PHONY: help demo test test-fast lint notebooks notebook-files bench clean chromium
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -29,11 +31,14 @@ chromium:  ## Install Chromium (apt, as root) when it is missing; the report tes
 	  { echo "installing chromium (report tests)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# The notebooks run in the suite's pytest session, collected first: the two workers share them
+# out with the tests from the start instead of running them one by one after the suite's tail.
 test: $(STAMP) chromium  ## Run the whole suite: lint, types, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --durations=25 --doctest-modules jaxpar tests
-	$(MAKE) --no-print-directory notebooks
+	$(MAKE) --no-print-directory notebook-files
+	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --durations=25 \
+	  $(NBMAKE) --doctest-modules $(NOTEBOOKS) jaxpar tests
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
 	$(PY) -m pytest -n 2 -m "not slow" tests
@@ -42,12 +47,16 @@ lint: $(STAMP)  ## Static checks: ruff, and mypy for types (configured in pyproj
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-notebooks: $(STAMP)  ## Execute every notebook (jupytext .md sources) with nbmake.
-	mkdir -p build/notebooks
+notebooks: notebook-files  ## Execute every notebook (jupytext .md sources) with nbmake.
+	$(PY) -m pytest -p no:cacheprovider $(NBMAKE) $(NOTEBOOKS)
+
+# The .ipynb files nbmake runs, made afresh from the .md sources (none left from a removed one).
+notebook-files: $(STAMP)
+	rm -rf $(NOTEBOOKS)
+	mkdir -p $(NOTEBOOKS)
 	for nb in notebooks/*.md; do \
-	  $(VENV)/bin/jupytext --quiet --to ipynb -o build/notebooks/$$(basename $$nb .md).ipynb $$nb || exit 1; \
+	  $(VENV)/bin/jupytext --quiet --to ipynb -o $(NOTEBOOKS)/$$(basename $$nb .md).ipynb $$nb || exit 1; \
 	done
-	$(PY) -m pytest -p no:cacheprovider --nbmake --nbmake-timeout=600 build/notebooks
 
 $(VENV)/.bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

@@ -115,22 +115,63 @@ def read_part(step, part, num_parts):
     return xb[rows], yb[rows]
 
 
-def test_sync_equals_data_parallel_then_workers_read_their_own_parts():
-    """One trainer (its actors start once) for two runs: 8 steps on batches the scheduler
-    ships, then 5 on parts the workers read themselves; each ends where data-parallel
-    training on the same batches, with the same optimizer state, does."""
+def test_sync_equals_data_parallel_with_worker_reads_elastic_workers_faults_and_a_dead_server(
+        tmp_path):
+    """One trainer for four runs (its five actors start once: each start costs seconds); each
+    run ends where data-parallel training on the same batches, with the same optimizer state,
+    does:
+
+    1. 8 steps on batches the scheduler ships;
+    2. 5 steps on parts the workers read themselves;
+    3. 9 steps with workers added, killed, failing half-way through a push and removed;
+    4. 8 steps in which a server dies and comes back from its checkpoint.
+    """
     x, y = digits()
     data = batches(x, y, 8)
     expected, losses, state = data_parallel(init_params(), data)
     read = batches(x, y, 5, seed=5)  # what read_part reads in steps 0-4 of the second run
-    expected_read, _, _ = data_parallel(expected, read, state)
-    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2,
-                                   worker_num=3) as trainer:
+    expected_read, _, state = data_parallel(expected, read, state)
+    data3 = batches(x, y, 9, seed=1)
+    expected3, _, state = data_parallel(expected_read, data3, state)
+    data4 = batches(x, y, 8, seed=2)
+    expected4, _, _ = data_parallel(expected3, data4, state)
+    added = []
+    base3 = 8 + 5  # the server step the third run starts at
+
+    def chaos(trainer, info):
+        k = info.step - base3
+        if k == 1:
+            added.append(trainer.add_worker())  # joins at the run's step 2
+        if k == 3:
+            ray.kill(trainer.workers[0])  # dies between steps: restarted at step 4
+        if k == 4:  # in the run's step 5, worker 1 dies after pushing to server 0 only
+            ray.get(trainer.workers[1].inject_fault.remote(base3 + 5, 1))
+        if k == 6:
+            trainer.remove_worker(2)  # leaves at step 7
+
+    killed = []
+
+    def kill_server(trainer, info):
+        if info.step == 27 and not killed:  # 28 steps done; the last checkpoint is step 27
+            killed.append(True)
+            ray.kill(trainer.servers[1])
+
+    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
+                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
         history = trainer.train(data)
         got = trainer.params
         report = trainer.report()
         read_history = trainer.train(ps.read_on_workers(read_part, BATCH), steps=5)
         got_read = trainer.params
+        report_read = trainer.report()
+        history3 = trainer.train(data3, callbacks=[chaos])
+        got3 = trainer.params
+        report3 = trainer.report()
+        history4 = trainer.train(data4, callbacks=[kill_server])
+        got4 = trainer.params
+        report4 = trainer.report()
+
+    # 1. the scheduler ships the batches
     assert_same_params(got, expected)
     np.testing.assert_allclose([h.loss for h in history], losses, rtol=1e-4)
     assert all(len(h.workers) == 3 for h in history)
@@ -138,72 +179,44 @@ def test_sync_equals_data_parallel_then_workers_read_their_own_parts():
     assert report.applied == (3 * 8, 3 * 8)  # workers x steps on every server
     assert report.duplicates_ignored == 0 and report.worker_restarts == 0
     assert ps.assign_by_size([64 * 32 * 4, 32 * 4, 32 * 10 * 4, 10 * 4], 2) == (0, 1, 1, 1)
+
+    # 2. the workers read their parts
     assert_same_params(got_read, expected_read)
     assert [h.samples for h in read_history] == [BATCH] * 5
     assert [h.step for h in read_history] == [8, 9, 10, 11, 12]
+    assert report_read.applied == (3 * 13, 3 * 13)
     with pytest.raises(jaxpar.JaxparError, match="give steps="):
         trainer.train(ps.read_on_workers(read_part, BATCH))
 
-
-def test_elastic_workers_worker_faults_and_a_dead_server_keep_data_parallel_numbers(tmp_path):
-    """One trainer (its actors start once) for two runs that each end where data-parallel
-    training on the same batches does: 9 steps with workers added, killed, failing half-way
-    through a push and removed; then 8 steps in which a server dies and comes back from its
-    checkpoint."""
-    x, y = digits()
-    data = batches(x, y, 9, seed=1)
-    expected, _, state = data_parallel(init_params(), data)
-    data2 = batches(x, y, 8, seed=2)
-    expected2, _, _ = data_parallel(expected, data2, state)
-    added = []
-
-    def chaos(trainer, info):
-        if info.step == 1:
-            added.append(trainer.add_worker())  # joins at step 2
-        if info.step == 3:
-            ray.kill(trainer.workers[0])  # dies between steps: restarted at step 4
-        if info.step == 4:  # in step 5, worker 1 dies after pushing to server 0 only
-            ray.get(trainer.workers[1].inject_fault.remote(5, 1))
-        if info.step == 6:
-            trainer.remove_worker(2)  # leaves at step 7
-
-    killed = []
-
-    def kill_server(trainer, info):
-        if info.step == 15 and not killed:  # 16 steps done; the last checkpoint is step 15
-            killed.append(True)
-            ray.kill(trainer.servers[1])
-
-    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
-                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
-        history = trainer.train(data, callbacks=[chaos])
-        got = trainer.params
-        report = trainer.report()
-        history2 = trainer.train(data2, callbacks=[kill_server])
-        got2 = trainer.params
-        report2 = trainer.report()
-    workers = [h.workers for h in history]
+    # 3. elastic workers and worker faults
+    workers = [h.workers for h in history3]
     assert workers[:2] == [(0, 1, 2)] * 2
     assert workers[2:7] == [(0, 1, 2, added[0])] * 5  # picked up at the next step
     assert workers[7:] == [(0, 1, added[0])] * 2
-    assert_same_params(got, expected)  # no part lost, none applied twice
-    assert report.worker_restarts == 2
-    assert report.duplicates_ignored == 1  # worker 1's part of step 5, pushed again
-    assert report.applied == (sum(map(len, workers)),) * 2
-    assert report.server_restores == 0 and report.redone_steps == 0
+    assert_same_params(got3, expected3)  # no part lost, none applied twice
+    assert report3.worker_restarts == 2
+    assert report3.duplicates_ignored == 1  # worker 1's part of step 5, pushed again
+    assert report3.applied == (report_read.applied[0] + sum(map(len, workers)),) * 2
+    assert report3.server_restores == 0 and report3.redone_steps == 0
 
-    assert report2.server_restores == 1
-    assert report2.redone_steps == 1  # step 15 (the 7th of this run) computed again
-    assert [h.step for h in history2] == [9, 10, 11, 12, 13, 14, 15, 15, 16]
-    assert all(h.workers == (0, 1, added[0]) for h in history2)
-    assert report2.steps == (17, 17)
-    assert report2.applied == (report.applied[0] + 3 * 8,) * 2  # the redone step counted once
-    assert report2.worker_restarts == 2
-    assert_same_params(got2, expected2)
+    # 4. a dead server comes back from its checkpoint
+    assert report4.server_restores == 1
+    assert report4.redone_steps == 1  # step 27 (the 6th of this run) computed again
+    assert [h.step for h in history4] == [22, 23, 24, 25, 26, 27, 27, 28, 29]
+    assert all(h.workers == (0, 1, added[0]) for h in history4)
+    assert report4.steps == (30, 30)
+    assert report4.applied == (report3.applied[0] + 3 * 8,) * 2  # the redone step counted once
+    assert report4.worker_restarts == 2
+    assert_same_params(got4, expected4)
     assert sorted(os.listdir(tmp_path)) == ["server_0", "server_1"]
 
 
-def test_async_converges_and_survives_a_dropped_worker():
+def test_async_converges_survives_a_dropped_worker_and_counts_a_restored_servers_losses(
+        tmp_path):
+    """One trainer for two asynchronous runs (its actors start once: each start costs
+    seconds): 45 batches in which a worker dies and is dropped, reaching an accuracy comparable
+    with synchronous training; then 12 batches in which a server dies and comes back from its
+    checkpoint, losing the updates it had applied since."""
     x, y = digits()
     train, test = (x[:1440], y[:1440]), (x[1440:], y[1440:])
     data = batches(*train, 45, seed=3)
@@ -213,12 +226,25 @@ def test_async_converges_and_survives_a_dropped_worker():
         if info.step == 40:
             ray.kill(trainer.workers[2])
 
+    killed = []
+
+    def kill_server(trainer, info):
+        done = info.step + 1  # parts both servers had applied (they save every 8 updates)
+        if not killed and done >= first + 8 and done % 8 == 5:
+            killed.append(done)
+            ray.kill(trainer.servers[0])
+
     with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
-                                   mode="async", max_staleness=4,
-                                   on_worker_failure="drop") as trainer:
+                                   mode="async", max_staleness=4, on_worker_failure="drop",
+                                   checkpoint_every=8, checkpoint_dir=str(tmp_path)) as trainer:
         history = trainer.train(data, callbacks=[kill])
         got = trainer.params
         report = trainer.report()
+        first = len(history)
+        history2 = trainer.train(batches(x, y, 12, seed=4), callbacks=[kill_server])
+        report2 = trainer.report()
+
+    # 1. a worker dropped; every sample still trained on once
     assert sum(h.samples for h in history) == 45 * BATCH  # every sample once
     assert report.applied == (len(history),) * 2  # each part applied once on each server
     assert report.workers_dropped == (2,)
@@ -226,6 +252,16 @@ def test_async_converges_and_survives_a_dropped_worker():
     sync_acc, async_acc = accuracy(sync_params, *test), accuracy(got, *test)
     assert sync_acc > 0.85
     assert async_acc > sync_acc - 0.05, (sync_acc, async_acc)
+
+    # 2. a server restored from its checkpoint
+    assert sum(h.samples for h in history2) == 12 * BATCH  # training finished
+    assert report2.server_restores == 1
+    # server 0 went back to its checkpoint 5 parts before the kill: what it had applied since
+    # is lost, with at most one more part per worker (2 are left) pushed to it in the meantime
+    assert 5 <= report2.lost_updates <= 5 + 2, (killed, report2)
+    done = len(history) + len(history2)
+    assert report2.applied[0] == done - report2.lost_updates
+    assert report2.applied[1] == done
 
 
 @pytest.mark.parametrize("options, message", [
@@ -248,27 +284,6 @@ def test_ps_context_defaults():
     finally:
         ps.reset_ps_context()
     assert jaxpar.get_ps_context("server_num") == 1
-
-
-def test_async_server_restore_counts_lost_updates(tmp_path):
-    x, y = digits()
-    data = batches(x, y, 12, seed=4)
-
-    def kill_server(trainer, info):
-        if info.step == 20:
-            ray.kill(trainer.servers[0])
-
-    with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
-                                   mode="async", checkpoint_every=8,
-                                   checkpoint_dir=str(tmp_path)) as trainer:
-        history = trainer.train(data, callbacks=[kill_server])
-        report = trainer.report()
-    assert sum(h.samples for h in history) == 12 * BATCH  # training finished
-    assert report.server_restores == 1
-    # server 0 went back to its checkpoint at update 16: what it had applied since is lost
-    assert 5 <= report.lost_updates <= 21 - 16 + 3, report
-    assert report.applied[0] == len(history) - report.lost_updates
-    assert report.applied[1] == len(history)
 
 
 def test_a_server_goes_back_past_its_newer_checkpoints_and_saves_them_again(tmp_path):
