@@ -30,7 +30,8 @@ def test_example_runs_with_smoke_flag(script):
 
 
 def test_demo_plan_collectives_and_loss_going_down():
-    """The demo as ``make demo`` starts it (12 steps of one layer): what it prints."""
+    """The demo started as a user starts it (a fresh process; 12 steps of one layer, not
+    ``make demo``'s 60 of two): what it prints."""
     out = run_example(DEMO, "--steps", "12", "--layers", "1")
     first, last = map(float, re.search(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < first - 0.5
