@@ -19,26 +19,30 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
   and the loop body's sum of it; at level 3 also its carry, which at lower levels XLA puts
   in the updated weights' output allocation (whole there, the weight's slice at level 3).
 * **one tick**: what a chunk's forward or backward makes and drops within the tick: the
-  chunk's weights taken from the stage's stack, its residuals before they are written to their
-  slot (or, recomputing, the whole chunk's residuals, which the backward remakes), and its
-  weight gradients before they are added to the accumulators.
+  chunk's weights copied out of the stage's stack (both); the forward's residuals before they
+  are written to their slot; the backward's weight gradients (the chunk's and the rest's)
+  before they are added to the accumulators, and the residuals it reads: sliced out of their
+  slot, or, recomputing, the whole chunk's, remade.
 
 Before the loop is traced (the split, ``split.py``) a layer's stored residuals are estimated
 from the graph: every operator's result in the layer.  Once it is traced, :func:`record` keeps
 what the probe of :mod:`residuals` found, and :func:`loop_memory` counts those leaves.  The step's
-plan adds the loop's total as a temporary of the loop operator
-(:func:`jaxpar._src.program_memory.lowered_memory`), so ``plan.memory_bytes`` is the step's
-arguments (parameters, optimizer state, split by ZeRO as planned), results, temporaries, and the
-loop.  Against ``compiled.memory_analysis()`` (``bench/pipeline_memory.py``, README): 0.95-1.06
-of the compiled total on 15 of 18 GPT rows (GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off
-and level 1, stored residuals, row groups on and off; recomputed without row groups) and
-1.10-1.16 on the three that recompute with row groups; the residual is where XLA writes part
-of a tick's transient in place or into the step's outputs not yet made (over: the loop is one
-temporary here, larger than any output, so it shares none) or copies an accumulator once more
-(under).  At ZeRO level 3 (the stacked weights split, gathered by the step before the loop)
-the accumulator's carry finds no output allocation to live in, and where a scan runs forward
-and backward ticks on one chunk per stage XLA holds the gathered weights twice: both counted
-(the GPT, S=2 M=4 1F1B level 3: 0.953 of the compiled total; 0.832 without them).
+plan adds the loop's arrays as temporaries of the loop operator, one by one once the loop is
+traced (:func:`jaxpar._src.program_memory.lowered_memory`), so ``plan.memory_bytes`` is the
+step's arguments (parameters, optimizer state, split by ZeRO as planned), results,
+temporaries, and the loop, whose arrays share the output allocations of the step made after
+the loop (the updated weights and Adam moments), as XLA's buffer assignment puts them there
+(:func:`loop_temporaries`).  Against ``compiled.memory_analysis()``
+(``bench/pipeline_memory.py``, README): 0.986-1.080 of the compiled total on the 18 GPT rows
+(GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off and level 1, stored and recomputed
+residuals, row groups on and off), where the loop as one temporary, sharing no output, was
+0.953-1.164 (over by 10-16% on the three that recompute with row groups).  Not counted: the
+zeros a backward's weight gradients start from and XLA's heap fragmentation (under), an
+accumulator XLA keeps in fewer bytes (over).  At ZeRO level 3 (the stacked weights split,
+gathered by the step before the loop) the accumulator's carry finds no output allocation to
+live in, and where a scan runs forward and backward ticks on one chunk per stage XLA holds
+the gathered weights twice: both counted (the GPT, S=2 M=4 1F1B level 3: 1.021 of the
+compiled total; 0.832 without them).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
@@ -64,7 +68,8 @@ from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.slots import SlotTables
 from jaxpar._src.spec import MeshShape, Spec
 
-_TRACED: dict[int, tuple[float, float]] = {}  # program id -> (stored, full) per chunk slot
+# program id -> (stored, full) per layer slot, and each stored and remade leaf's bytes per chunk
+_TRACED: dict[int, tuple[float, float, tuple[float, ...], tuple[float, ...]]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,10 @@ class LoopMemory:
       weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
         where one scan runs forward and backward ticks on one chunk per stage
         (:func:`_weight_copies`).
+      arrays: once traced, the bytes of each array the parts are made of (a residual leaf's
+        slots, a carried value's, an accumulator, a tick's copied weight, weight gradient,
+        rest gradient and residual leaf): they sum to ``total``; empty before tracing.  The
+        step's buffer assignment places them one by one (:func:`loop_temporaries`).
     """
 
     residual_slots: float
@@ -99,6 +108,7 @@ class LoopMemory:
     layer_stored: float
     how: str = "graph"
     weight_copies: float = 0.0
+    arrays: tuple[float, ...] = ()
 
     @property
     def total(self) -> float:
@@ -133,7 +143,7 @@ def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
       extra_grad_bytes: the gradient accumulators beyond the loop's results (the loop's
         last carry is its result's buffer, :func:`_extra_grads`).
       tick_grad_bytes: the rest's weight gradients a backward makes in its tick before
-        they are added to their accumulators (a head run in the loop: :func:`_rest_grads`).
+        they are added to their accumulators (a head run in the loop: :func:`_tick_grads`).
     """
     if not schedule.has_backward:
         # forwards alone: no residual or cotangent slots, no accumulators; a tick runs the
@@ -146,11 +156,16 @@ def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
     t = SlotTables.of(schedule)
     v, k = schedule.repeats, slots
     chunk_stored = carried_bytes if recompute else k * stored_bytes
-    # forward: the chunk's residuals, stacked over its k layers, before their slot; backward:
-    # the chunk's weight gradients before the accumulators, recomputing with the residuals
-    # the forward remade; the two never live at once (one runs after the other)
-    forward = k * (full_bytes if not recompute else 0.0)
-    backward = k * layer_bytes + tick_grad_bytes + (k * full_bytes if recompute else 0.0)
+    # both: the chunk's weights, copied out of the stage's stack for the tick's scan over its
+    # k layers; forward: the chunk's residuals, stacked over the k layers, before their slot;
+    # backward: the chunk's weight gradients before the accumulators, and the residuals it
+    # reads (recomputing: remade; storing: its micro-batch's, sliced out of their slot);
+    # the two never live at once (one runs after the other).  XLA's buffer assignment of
+    # the GPT's S=2 M=4 1F1B step holds each of these at the backward's peak, storing and
+    # recomputing (README)
+    forward = k * layer_bytes + k * (full_bytes if not recompute else 0.0)
+    backward = (2 * k * layer_bytes + tick_grad_bytes
+                + k * (full_bytes if recompute else stored_bytes))
     return LoopMemory(
         residual_slots=(t.res_slots + 1) * chunk_stored,
         activation_slots=(t.act_slots + 2) * carried_bytes,
@@ -191,22 +206,31 @@ def record(program: Any, stored: Sequence[Any], specs: Sequence[Spec | None],
     mesh = MeshShape.of(program.mesh)
     k = max(program.split.slots, 1)
 
-    def per_layer(avals: Sequence[Any], specs: Sequence[Spec | None]) -> float:
-        return sum(_local(a, sp if sp is not None else _rows_spec(program, a), mesh)
-                   for a, sp in zip(avals, specs, strict=True)) / k
+    def leaves(avals: Sequence[Any], specs: Sequence[Spec | None]) -> tuple[float, ...]:
+        return tuple(_local(a, sp if sp is not None else _rows_spec(program, a), mesh)
+                     for a, sp in zip(avals, specs, strict=True))
 
-    _TRACED[program.id] = (per_layer(stored, specs), per_layer(full, full_specs))
+    s, f = leaves(stored, specs), leaves(full, full_specs)
+    _TRACED[program.id] = (sum(s) / k, sum(f) / k, s, f)
     while len(_TRACED) > 256:
         _TRACED.pop(next(iter(_TRACED)))
 
 
 def loop_temporaries(graph: Any) -> list[tuple[float, int]]:
     """``(bytes, node id)`` of every pipeline loop in a step's graph: its :func:`loop_memory`,
-    a temporary held while the loop operator runs (``program_memory.py``)."""
+    temporaries held while the loop operator runs (``program_memory.py``), one per array
+    once the loop is traced.  One by one, XLA's buffer assignment puts them where they fit,
+    in the step's output allocations made after the loop (the updated weights and their Adam
+    moments) among them: at the backward's peak of the GPT's S=2 M=4 1F1B step those hold
+    loop arrays in 130,088 and 130,060 of their 130,608 bytes, recomputing and storing
+    (``--xla_dump_to``); one lump, larger than any output, would share none."""
     from jaxpar._src.pipeline.outer import loops_in
 
-    return [(loop_memory(program, backward=len(graph.nodes[nid].outputs) > 1).total, nid)
-            for nid, program in loops_in(graph)]
+    out: list[tuple[float, int]] = []
+    for nid, program in loops_in(graph):
+        m = loop_memory(program, backward=len(graph.nodes[nid].outputs) > 1)
+        out.extend((b, nid) for b in (m.arrays or (m.total,)))
+    return out
 
 
 def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
@@ -218,17 +242,54 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
                   for v in program.carried_in)
     recompute = config.residuals == "recompute"
     traced = _TRACED.get(program.id)
-    stored, full = traced if traced is not None else (split.residual_bytes,
-                                                      split.residual_bytes)
+    stored, full = traced[:2] if traced is not None else (split.residual_bytes,
+                                                          split.residual_bytes)
     if recompute and traced is not None:
         stored = full
     m = estimate(program.schedule if backward else program.forward_schedule,
                  slots=split.slots, layer_bytes=split.layer_bytes, stored_bytes=stored,
                  full_bytes=full, carried_bytes=carried,
                  recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
-                 tick_grad_bytes=_rest_grads(program, mesh))
-    return dataclasses.replace(m, how="traced" if traced is not None else "graph",
-                               weight_copies=_weight_copies(program, mesh) if backward else 0.0)
+                 tick_grad_bytes=sum(_tick_grads(program, mesh)))
+    m = dataclasses.replace(m, how="traced" if traced is not None else "graph",
+                            weight_copies=_weight_copies(program, mesh) if backward else 0.0)
+    if traced is None or not backward:
+        return m
+    return _with_arrays(program, m, mesh, *traced[2:])
+
+
+def _with_arrays(program: Any, m: LoopMemory, mesh: MeshShape, stored: tuple[float, ...],
+                 full: tuple[float, ...]) -> LoopMemory:
+    """``m`` (a traced backward loop's) with :attr:`LoopMemory.arrays`: each stored leaf's
+    ``[res_slots + 1, ...]`` slots (recomputing: each carried value's), each carried value's
+    activation and cotangent slots and the one that arrived, each accumulator of
+    :func:`_extra_grads`, the bigger tick's arrays (each weight of the chunk copied (but
+    level 3's gathered ones), and
+    the leaves its forward makes; or the copy, each weight's gradient, the rest's
+    (:func:`_tick_grads`) and the residual leaves the backward reads) and level 3's weight
+    copies.  The tick is its arrays' sum (the weights as the layer's values: within bytes
+    of ``split.layer_bytes``)."""
+    carried = [_local(program.graph.values[v], program.spec(v), mesh)
+               for v in program.carried_in]
+    k = m.slots
+    recompute = program.config.residuals == "recompute"
+    slots = [(m.res_slots + 1) * b for b in (carried if recompute else stored)]
+    for n in (m.act_slots, m.ct_slots):
+        slots += [(n + 1) * b for b in carried] + carried
+    values = [program.graph.values[w] for w in program.rep_layer.weights]
+    # at ZeRO level 3 the loop reads the gathered weights XLA relays into the shapes the
+    # loop reads (the step's gathered value and :func:`_weight_copies`), not a copy per tick
+    gathered = ({program.rep_layer.weights[program.stacked[j]] for j, _, _ in program.scatters}
+                if program.params_split else set())
+    copy = [k * _local(w, program.spec(w.id), mesh) for w in values if w.id not in gathered]
+    grads = [k * _local(w, program.spec(w.id), mesh) for w in values
+             if jnp.issubdtype(w.dtype, jnp.inexact)]
+    forward = copy + ([] if recompute else list(full))
+    backward = copy + grads + _tick_grads(program, mesh) + list(full if recompute else stored)
+    tick = forward if sum(forward) > sum(backward) else backward
+    arrays = tuple(slots + _extra_grad_arrays(program, mesh) + tick
+                   + _weight_copy_arrays(program, mesh))
+    return dataclasses.replace(m, tick=sum(tick), arrays=arrays)
 
 
 def _weight_copies(program: Any, mesh: MeshShape) -> float:
@@ -242,16 +303,26 @@ def _weight_copies(program: Any, mesh: MeshShape) -> float:
     2``: a tick slices its chunk out of the stack) one, by the compiled totals (the toy's
     interleaved 1F1B: 0.967 of the compiled total without the copy, 1.096 with it).  The
     step's model counts the gathered value once."""
+    return sum(_weight_copy_arrays(program, mesh))
+
+
+def _weight_copy_arrays(program: Any, mesh: MeshShape) -> list[float]:
+    """:func:`_weight_copies` one array per weight."""
     if not program.params_split or program.config.repeats != 1:
-        return 0.0
+        return []
     if not any(f and b for _, _, f, b in SlotTables.of(program.schedule).phases()):
-        return 0.0
+        return []
     weights = [program.graph.values[program.rep_layer.weights[program.stacked[j]]]
                for j, _, _ in program.scatters]
-    return sum(program.split.slots * _local(w, program.spec(w.id), mesh) for w in weights)
+    return [program.split.slots * _local(w, program.spec(w.id), mesh) for w in weights]
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:
+    """The bytes of :func:`_extra_grad_arrays`."""
+    return sum(_extra_grad_arrays(program, mesh))
+
+
+def _extra_grad_arrays(program: Any, mesh: MeshShape) -> list[float]:
     """The gradient accumulators that are not the loop's results: a stage weight's where the
     result is reduce-scattered (ZeRO: the result is split over the row axes, the accumulator
     and the collective's operand whole), the rest's per micro-batch (their result is their
@@ -262,7 +333,7 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
     groups, ends = program.groups, program.ends
     # the rest's per-micro-batch accumulators: their result is their sum over "pp", another
     # buffer (a placeholder scalar where only the per-group sum is kept)
-    total = _rest_grads(program, mesh)
+    total = _rest_grad_arrays(program, mesh)
     if not groups.on:
         return total
     v, k = program.config.repeats, program.split.slots
@@ -277,24 +348,41 @@ def _extra_grads(program: Any, mesh: MeshShape) -> float:
         # so the carry is a buffer of its own: one more
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
         copies = (3 if program.params_split else 2) if j in scattered else 1
-        total += copies * v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)
+        total += [v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)] * copies
     for i in ends.grouped if ends.on else ():
         vid = program.rest[i]
-        total += _local(program.graph.values[vid], strip(program.spec(vid), groups.axes),
-                        mesh)
+        total.append(_local(program.graph.values[vid], strip(program.spec(vid), groups.axes),
+                            mesh))
     return total
 
 
-def _rest_grads(program: Any, mesh: MeshShape) -> float:
+def _rest_grad_arrays(program: Any, mesh: MeshShape) -> list[float]:
     """The rest's gradients accumulated per micro-batch in the loop (a placeholder scalar
     where only the per-group sum is kept, ``ends.only``): the accumulators beyond the loop's
-    results, and what one backward makes of them before adding them (the head's gradient
-    of the toy stack's 4096-column head: XLA's buffer assignment holds both)."""
+    results."""
     groups, ends = program.groups, program.ends
     only = set(ends.only) if groups.on and ends.on else set()
-    return sum(_local(program.graph.values[vid], program.spec(vid), mesh)
-               for i, vid in enumerate(program.rest) if i not in only
-               and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact))
+    return [_local(program.graph.values[vid], program.spec(vid), mesh)
+            for i, vid in enumerate(program.rest) if i not in only
+            and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact)]
+
+
+def _tick_grads(program: Any, mesh: MeshShape) -> list[float]:
+    """The rest's gradients one backward makes before adding them to their accumulators
+    (the toy stack's 4096-column head; the GPT's embedding and head, per row group where the
+    ends run per group, as their accumulators: XLA's buffer assignment holds them at the
+    backward's peak)."""
+    from jaxpar._src.pipeline.groups import strip
+
+    groups, ends = program.groups, program.ends
+    grouped = set(ends.grouped) if groups.on and ends.on else set()
+    out = []
+    for i, vid in enumerate(program.rest):
+        v = program.graph.values[vid]
+        if jnp.issubdtype(v.dtype, jnp.inexact):
+            spec = strip(program.spec(vid), groups.axes) if i in grouped else program.spec(vid)
+            out.append(_local(v, spec, mesh))
+    return out
 
 
 def _rows_spec(program: Any, aval: Any) -> Spec | None:
