@@ -30,10 +30,11 @@ def pytest_xdist_make_scheduler(config, log):
     worker, so the fixture is built once; every other test is scheduled alone, in collection
     order.  xdist's ``load`` sent chunks of consecutive tests wherever a worker was free, and
     each worker that got a module's tests built its fixtures: test_program_memory's three
-    compiled GPT steps twice (52 s and 24 s of setup on CI's two cores), and near the end of
-    the run, where the chunks are two tests, most modules' fixtures twice.  (xdist's own
-    ``--dist loadgroup`` would do this from markers, but it renames the test ids through an
-    attribute pytest 9 no longer reads.)"""
+    compiled GPT steps twice in one CI run (22 s and 24 s of setup); test_report's GPT run
+    twice in a run of four such files (13 of their 152 CPU s); and near the end of the run,
+    where the chunks are two tests, any module's fixtures twice.  (xdist's own ``--dist
+    loadgroup`` would do this from markers, but it renames the test ids through an attribute
+    pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "load":
         return None  # another --dist asked for
     from xdist.scheduler import LoadScopeScheduling
