@@ -20,7 +20,6 @@ def cache_dir(tmp_path):
     jaxpar.config.update("plan_cache_dir", before)
 
 
-
 _SHARED = re.compile(r"@pytest\.fixture\([^)]*scope=[\"'](module|class|package)")
 
 
