@@ -391,3 +391,33 @@ def test_equal_rules_are_one_object_and_layouts_compare_as_dataclasses():
                   OpStrategy((("dp",), ()), (a,), (a,)),
                   OpStrategy(((), ("dp",)), (a,), (a,), (("dp", "sum"),))):
         assert s != other and not s == other
+
+
+def test_a_conv_nets_spatial_factors_are_useless_until_a_pin_splits_one():
+    """search/useful.py: no convolution splits a height or width, so every operator of a conv
+    net's gradient is offered no split of its spatial factors (kernels: their first two, the
+    NHWC activations: dimensions 1 and 2), and of nothing else.  A pin splitting the first
+    ReLU's height over ``mp`` makes that height's class useful: the ReLU's neighbours in it
+    keep their height factor, nothing else changes (each factor's class is asked once: its
+    dimensions are one class)."""
+    from jaxpar._src.search.common import Pin
+    from jaxpar._src.search.useful import useless_factors
+    from jaxpar._src.spec import Spec
+
+    shapes = jax.eval_shape(models.init_convnet, jax.random.key(0))  # (nothing to compile)
+    graph = trace(jax.grad(models.convnet_loss), shapes).graph
+    space = _problem(graph).space
+    plain = useless_factors(space, [])
+    assert len(plain) == 15
+    for nid, dead in plain.items():
+        kernel = space.rule(nid).sizes[:2] == (3, 3)
+        assert dead == ({0, 1} if kernel else {1, 2}), (graph.nodes[nid], dead)
+    relu = next(n.id for n in graph.nodes
+                if n.name == "max" and graph.values[n.outputs[0]].shape == (8, 8, 8, 8))
+    (split_h,) = [c for c in space.candidates(relu)
+                  if c.out_specs[0] == Spec(((), ("mp",), (), ()))]
+    pinned = useless_factors(space, [Pin(relu, split_h, "test")])
+    assert pinned.keys() == plain.keys() - {relu}
+    changed = {n for n in pinned if pinned[n] != plain[n]}
+    assert len(changed) == 3 and all(pinned[n] == {2} for n in changed)
+    assert all(graph.values[graph.nodes[n].outputs[0]].shape == (8, 8, 8, 8) for n in changed)

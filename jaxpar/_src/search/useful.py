@@ -57,10 +57,13 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
             parent[x], x = root, parent[x]
         return root
 
-    dims_of: dict[int, dict[int, list[int]]] = {}
+    # Per node, each factor with dimensions and one of them: a factor's dimensions are joined
+    # into one class here, so one of them stands for all (issue 14: asking the class of every
+    # dimension again was most of this pass).
+    factors_of: dict[int, list[tuple[int, int]]] = {}
     for node in graph.searchable():
         inputs, outputs = node.inputs, node.outputs
-        per_factor: dict[int, list[int]] = {}
+        per_factor: list[tuple[int, int]] = []
         for f, dims in _factor_dims(space.rule(node.id)):
             members = []
             for side, index, d in dims:
@@ -69,33 +72,31 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
                     k = first[vid] + d
                     members.append(k if k < first[vid + 1] else numbered(vid, d))
             if members:
-                per_factor[f] = members
+                per_factor.append((f, members[0]))
                 root = find(members[0])
                 for m in members[1:]:
                     other = find(m)
                     if other != root:
                         parent[root] = other
                         root = other
-        dims_of[node.id] = per_factor
+        factors_of[node.id] = per_factor
     useful: set[int] = set()
     pinned = {p.node: p for p in pins}
     seeds = space.in_category(*SEEDS)
     for node in graph.searchable():
-        per_factor = dims_of[node.id]
+        per_factor = factors_of[node.id]
         if node.id in seeds:
-            useful.update(find(m) for members in per_factor.values() for m in members)
+            useful.update(find(m) for _, m in per_factor)
         elif node.id in pinned:
             strategy = pinned[node.id].strategy
-            useful.update(find(m) for f, members in per_factor.items()
-                          if strategy.factor_axes[f] for m in members)
+            useful.update(find(m) for f, m in per_factor if strategy.factor_axes[f])
     if not useful:
         return {}
     out: dict[int, frozenset[int]] = {}
     for node in graph.searchable():
         if node.id in pinned or node.id in seeds:
             continue
-        dead = frozenset(f for f, members in dims_of[node.id].items()
-                         if all(find(m) not in useful for m in members))
+        dead = frozenset(f for f, m in factors_of[node.id] if find(m) not in useful)
         if dead:
             out[node.id] = dead
     return out
