@@ -263,12 +263,11 @@ def _with_arrays(program: Any, m: LoopMemory, mesh: MeshShape, stored: tuple[flo
     """``m`` (a traced backward loop's) with :attr:`LoopMemory.arrays`: each stored leaf's
     ``[res_slots + 1, ...]`` slots (recomputing: each carried value's), each carried value's
     activation and cotangent slots and the one that arrived, each accumulator of
-    :func:`_extra_grads`, the bigger tick's arrays (each weight of the chunk copied (but
-    level 3's gathered ones), and
-    the leaves its forward makes; or the copy, each weight's gradient, the rest's
-    (:func:`_tick_grads`) and the residual leaves the backward reads) and level 3's weight
-    copies.  The tick is its arrays' sum (the weights as the layer's values: within bytes
-    of ``split.layer_bytes``)."""
+    :func:`_extra_grads`, the bigger tick's arrays (forward: each of the chunk's weights
+    copied out of the stack, but level 3's gathered ones, and the leaves it makes; backward:
+    the copy, each weight's gradient, the rest's (:func:`_tick_grads`) and the residual
+    leaves it reads) and level 3's weight copies.  The tick is its arrays' sum (the weights
+    as the layer's values: within bytes of ``split.layer_bytes``)."""
     carried = [_local(program.graph.values[v], program.spec(v), mesh)
                for v in program.carried_in]
     k = m.slots
