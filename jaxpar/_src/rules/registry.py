@@ -12,6 +12,7 @@ without a rule is replicated, with one warning naming it.
 ...     return b.build([dims], [dims])
 >>> "my_identity_prim" in registered_primitives()
 True
+>>> _ = _RULES.pop("my_identity_prim")  # not left registered: the rules key the plan cache
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def register_rule(*names: str, category: OpCategory | str = OpCategory.OTHER
     >>> rule_of(OpView("doc_matmul", ((8, 16), (16, 4)), (f32, f32), ((8, 4),), (f32,), {})
     ...         ).category
     <OpCategory.CONTRACTION: 'contraction'>
+    >>> _ = _RULES.pop("doc_matmul")  # not left registered: the rules key the plan cache
     """
     try:
         kind = OpCategory(category)
