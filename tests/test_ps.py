@@ -275,6 +275,17 @@ def test_bad_configuration_is_refused(options, message):
         ps.ParameterServerTrainer(loss_fn, init_params(), OPT, **options)
 
 
+def test_a_bad_configuration_starts_no_ray(monkeypatch):
+    """Too many servers for the tensors is refused before ``ray.init()``: a configuration that
+    cannot run must not start a local Ray first."""
+    inits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append((a, k)))
+    with pytest.raises(jaxpar.JaxparError, match="5 servers but only 4 parameter tensors"):
+        ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=5)
+    assert inits == []
+
+
 def test_ps_context_defaults():
     ps.set_ps_context(enable_ps=True, server_num=2, worker_num=2, mode="async")
     try:

@@ -137,15 +137,16 @@ class ParameterServerTrainer:
             max_staleness=max_staleness, checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir, on_worker_failure=on_worker_failure,
             max_worker_restarts=max_worker_restarts)
+        leaves, self._treedef = jax.tree.flatten(params)
+        arrays = [np.asarray(leaf) for leaf in leaves]
+        # checked before Ray starts: a configuration that cannot run starts nothing
+        self._owner = assign_by_size([a.nbytes for a in arrays], self.config.server_num)
         if not ray.is_initialized():
             ray.init()
         self._ray = ray
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._actor_options = dict(actor_options or {})
-        leaves, self._treedef = jax.tree.flatten(params)
-        arrays = [np.asarray(leaf) for leaf in leaves]
-        self._owner = assign_by_size([a.nbytes for a in arrays], self.config.server_num)
         self._initial = [{i: a for i, a in enumerate(arrays) if self._owner[i] == s}
                          for s in range(self.config.server_num)]
         self._server_cls = ray.remote(ServerCore)
