@@ -32,7 +32,7 @@ import numpy as np
 MIP_REL_GAP = 1e-6  # branch and bound stops this close (relative) to its best bound
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Model:
     """A linear program ``min cost . x  s.t.  row_lower <= A x <= row_upper,
     lower <= x <= upper``, with ``A`` column-wise: column ``j``'s row indices (ascending) and
@@ -68,7 +68,7 @@ class Model:
                      np.ascontiguousarray(values[order], dtype=np.float64))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Solution:
     """What a solve found: ``x`` (None: no solution), whether it is proven optimal, its
     objective, branch and bound's proven lower bound (integer programs; None otherwise) and
