@@ -15,7 +15,7 @@ import pytest
 import jaxpar
 from jaxpar._src.cost import CostModel
 from jaxpar._src.hardware import HardwareProfile
-from jaxpar._src.search import SearchRequest, elimination, get_search, modes, optimal, polish
+from jaxpar._src.search import SearchRequest, elimination, get_search, highs, modes, optimal, polish
 from jaxpar._src.search.common import SearchSpace
 from jaxpar._src.search.problem import Problem, build_problem
 from jaxpar._src.spec import MeshShape
@@ -39,12 +39,12 @@ def work(monkeypatch):
     """Records every linear or integer program HiGHS is given and every elimination's
     statistics."""
     record = {"relaxations": [], "integer": [], "eliminations": []}
-    real_milp = optimal.milp
+    real_highs = highs.solve
 
-    def milp(c, *, integrality, **kwargs):
-        kind = "integer" if np.any(integrality) else "relaxations"
-        record[kind].append(len(c))
-        return real_milp(c, integrality=integrality, **kwargs)
+    def solve(model, *, integer, **kwargs):
+        kind = "integer" if integer is not None and np.any(integer) else "relaxations"
+        record[kind].append(len(model.cost))
+        return real_highs(model, integer=integer, **kwargs)
 
     real_solve = elimination.solve_elimination
 
@@ -53,7 +53,7 @@ def work(monkeypatch):
         record["eliminations"].append(stats)
         return choice, stats
 
-    monkeypatch.setattr(optimal, "milp", milp)
+    monkeypatch.setattr(highs, "solve", solve)
     for module in (modes, polish):
         monkeypatch.setattr(module, "solve_elimination", solve_elimination)
     return record

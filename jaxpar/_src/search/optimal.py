@@ -4,8 +4,7 @@ One binary variable per (coarse node, candidate), one-hot per node (on large gra
 are those of the quotient problem, one per group of repeated layers).  Each edge contributes a
 joint distribution ``w[a, b]`` over the distinct layouts its two ends can take, whose marginals
 are the two nodes' choices (the tight formulation of Alpa's ILP); the objective is node seconds
-plus edge seconds.  Solved by HiGHS through
-``scipy.optimize.milp``.
+plus edge seconds.  Solved by HiGHS (:mod:`jaxpar._src.search.highs`).
 
 References: Zheng et al., "Alpa: Automating Inter- and Intra-Operator Parallelism" (OSDI 2022),
 section 4.
@@ -16,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from jaxpar._src.errors import PlanError
+from jaxpar._src.search import highs
 from jaxpar._src.search.problem import Problem
 
 # Largest integer program solved by branch and bound over a relaxation's neighbourhood.
@@ -39,14 +38,6 @@ class IlpResult:
     variables: int
     constraints: int
     bound: float | None = None  # a proven lower bound of the optimum (seconds), if not optimal
-
-
-def milp(c: np.ndarray, **kwargs: Any) -> Any:
-    """``scipy.optimize.milp`` (HiGHS), imported on the first solve: importing scipy.optimize
-    costs 0.4 s, which every process importing jaxpar (Ray actors, launched ranks) would pay."""
-    from scipy.optimize import milp as highs
-
-    return highs(c, **kwargs)
 
 
 Classes = tuple[np.ndarray, np.ndarray, np.ndarray]  # an edge's _edge_classes
@@ -132,7 +123,7 @@ def solve_optimal(problem: Problem, *, time_limit: float = 300.0, extra_rows: Ro
         found = program.choice(res.x)
         if best is None or problem.objective(found) < problem.objective(best):
             best = found
-        if res.status == 0:  # proven: no plan is cheaper than what it found
+        if res.optimal:  # proven: no plan is cheaper than what it found
             return program.result(best, optimal=True, bound=None)
         proven = program.bound(res, mip=True)
         if proven is not None:
@@ -167,7 +158,7 @@ def _neighbourhood(program: _Program, x: np.ndarray, time_limit: float
 
 
 class _Program:
-    """The integer program of a problem, as scipy's ``milp`` takes it."""
+    """The integer program of a problem, as HiGHS takes it (:class:`highs.Model`)."""
 
     def __init__(self, problem: Problem, extra_rows: Rows, seen: Seen | None = None) -> None:
         self.problem = problem
@@ -240,33 +231,25 @@ class _Program:
         banned = ~np.isfinite(cost)  # candidates priced infinite are not allowed
         ub[banned] = 0.0
         cost[banned] = 0.0
-        self.cost, self.total, self.constraints = cost, total, count
-        # imported here, not at the top: see milp
-        from scipy import sparse
-        from scipy.optimize import Bounds, LinearConstraint
+        self.total, self.constraints = total, count
+        self.model = highs.Model.from_triplets(
+            cost, rows=np.concatenate(rows), cols=np.concatenate(cols),
+            values=np.concatenate(vals), row_lower=np.concatenate(lo),
+            row_upper=np.concatenate(hi), lower=lb, upper=ub)
 
-        self.bounds = Bounds(lb, ub)
-        a = sparse.csr_matrix((np.concatenate(vals),
-                               (np.concatenate(rows), np.concatenate(cols))), shape=(count, total))
-        self.rows = LinearConstraint(a, np.concatenate(lo), np.concatenate(hi))
+    def solve(self, *, integer: bool, time_limit: float) -> highs.Solution:
+        """The integer program (the candidates' variables integral; the edges' follow), or
+        its linear relaxation: an integral vertex of it is what the relaxation is for."""
+        mask = np.arange(self.total) < self.n if integer else None
+        return highs.solve(self.model, integer=mask, time_limit=time_limit)
 
-    def solve(self, *, integer: bool, time_limit: float) -> Any:
-        options = {"time_limit": time_limit, "mip_rel_gap": 1e-6, "disp": False}
-        integrality = np.zeros(self.total)
-        if integer:
-            integrality[:self.n] = 1
-        else:
-            options["presolve"] = False  # an integral vertex is what the relaxation is for
-        return milp(self.cost, integrality=integrality, bounds=self.bounds,
-                    constraints=self.rows, options=options)
-
-    def bound(self, res: Any, *, mip: bool = False) -> float | None:
+    def bound(self, res: highs.Solution, *, mip: bool = False) -> float | None:
         """The lower bound (seconds) a solve proved: a relaxation's value, or branch and
         bound's best bound."""
         if mip:
-            value = getattr(res, "mip_dual_bound", None)
+            value = res.dual_bound
         else:
-            value = res.fun if res.status == 0 else None
+            value = res.objective if res.optimal else None
         return None if value is None or not np.isfinite(value) else float(value) / self.scale
 
     def choice(self, x: np.ndarray) -> dict[int, int]:
