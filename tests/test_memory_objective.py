@@ -233,3 +233,67 @@ def test_buffer_assignment_over_arrays_equals_the_scan():
                 stop = rng.randint(first, last)
                 buffers.append((size, first, stop, False, rng.randint(first, stop)))
         assert memory._assign(buffers) == memory._assign_scan(buffers), trial
+
+
+@pytest.mark.parametrize("search_s,other_s,other_peak,budget,tried", [
+    (1.0, 1.5, 10.0, 1e3, True),  # the search's plan is the fastest: polished
+    ((1 + auto.NEAR) ** 2, 1.0, 10.0, 1e3, True),  # within a tie twice over: polished
+    ((1 + auto.NEAR) ** 2 * 1.001, 1.0, 10.0, 1e3, False),  # beyond it: not
+    (1.6, 1.0, 10.0, 1e3, False),  # the 24-layer GPT: data parallel 60% faster
+    (1.6, 1.0, 200.0, 150.0, True),  # the faster plan does not fit the budget: polished
+    (1.6, None, None, 1e3, True),  # nothing else priced (no batch): polished
+])
+def test_lean_polish_only_where_it_can_break_a_tie(search_s, other_s, other_peak, budget,
+                                                   tried):
+    """The memory-lean polish is tried unless the search's plan is slower than another plan
+    that fits by more than a tie twice over; the note says why it was not."""
+    from jaxpar._src.search.memory import MemoryEstimate
+
+    def option(name, step_s, peak):
+        return auto._Option(name, {}, step_s, lambda: MemoryEstimate(peak, 0.0, 0))
+
+    options = [option("search", search_s, 100.0)]
+    if other_s is not None:
+        options.append(option("baseline", other_s, other_peak))
+    for roomy in (False, True):
+        if roomy and other_peak is not None and other_peak > budget:
+            continue  # (roomy: no plan exceeds the budget)
+        why = auto._beyond_tie(options, budget, roomy)
+        assert (why is None) == tried, why
+        if not tried:
+            assert why.startswith(f"the search's plan is {search_s / other_s - 1:.0%} slower "
+                                  "than pure data parallel")
+
+
+@pytest.mark.parametrize("model,args,skipped", [
+    ("scan_cumprod", (), True),  # data parallel 11% faster than the search's plan
+    ("wide_mlp", (), False),  # the search's plan is used: 2% faster than data parallel
+])
+def test_lean_polish_skipped_only_beyond_a_tie_changes_no_plan(monkeypatch, model, args,
+                                                                skipped):
+    """Where the bound says the polish cannot be used it is not run, and the plan is the one
+    the frame chooses with it run (every layout); where the search's plan wins it is run."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    step, args = getattr(am, model)(*args)[:2]
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    polished = []
+    lean = auto._lean
+    monkeypatch.setattr(auto, "_lean", lambda *a: polished.append(1) or lean(*a))
+
+    def plan():
+        return jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel").plan(*args)
+
+    first = plan()
+    untried = [n for n in first.notes if "was not tried" in n]
+    assert bool(untried) == skipped and bool(polished) != skipped, first.notes
+    if not skipped:
+        assert first.objective_s < first.baseline_s and "data parallel" not in str(first.notes)
+        return
+    assert "pure data parallel was cheaper" in " ".join(first.notes)
+    monkeypatch.setattr(auto, "_beyond_tie", lambda *a: None)  # polished regardless
+    again = plan()
+    assert polished
+    layouts = [(d.node, d.in_specs, d.out_specs, d.origin) for d in first.decisions]
+    assert layouts == [(d.node, d.in_specs, d.out_specs, d.origin) for d in again.decisions]
+    assert tuple(n for n in first.notes if n not in untried) == again.notes
+    assert first.step_time() == again.step_time()
