@@ -17,11 +17,25 @@ gathered stage weights' second copy.  "without
 loop": the same prediction less the loop's parts (the step's model alone, which sees the loop's
 operands and results only).
 
+"early": the split's memory check, made before the loop is traced
+(``jaxpar/_src/pipeline/early.py``: the stage's weights as the step passes them, gathered at
+level 3, their gradients, the batch and the loop, with the row groups' and ZeRO's terms for the
+candidate's ``[S, v, k]`` shape), for the chosen split, against the compiled total and the
+traced prediction; "early before": the check as it was before those terms
+(``memory.split_bytes`` at d8cabe7: the weights and gradients whole, the rest's, and the loop
+without the row groups' and ZeRO's accumulators, level 3's copies and the batch).  The check
+leaves out the optimizer state (the step's, made after ``cell.stack``): "+ state" adds the Adam
+moments per device as the step's plan lays them out; "probed + state": the same with the
+residual leaves the loop's probe found instead of the graph's estimate (the check's largest
+error).  Microseconds: CPU time of one check
+(``time.process_time``, median of 7 rounds of 20, before and after alternating).
+
     python bench/pipeline_memory.py [--quick]      (bench/run.py runs it too)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -45,6 +59,9 @@ import gpt  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
+from jaxpar._src.pipeline.early import draft_of, early_memory  # noqa: E402
+from jaxpar._src.pipeline.memory import _local, estimate  # noqa: E402
+from jaxpar._src.spec import MeshShape  # noqa: E402
 
 # S, M, schedule, interleave, residuals, ZeRO level, row groups (dp > 1)
 CASES = (
@@ -84,6 +101,35 @@ def gpt_case(batch_rows: int = 16):
     return loss_fn, params, batch
 
 
+def split_bytes_before(program) -> float:
+    """The split's memory check before the early estimate's row-group and ZeRO terms
+    (``memory.split_bytes`` at d8cabe7), for the program's own slots."""
+    mesh = MeshShape.of(program.mesh)
+    sp, s, k = program.split, program.schedule, program.split.slots
+    rest = sum(_local(program.graph.values[v], program.spec(v), mesh) for v in program.rest)
+    loop = estimate(s, slots=k, layer_bytes=sp.layer_bytes, stored_bytes=sp.residual_bytes,
+                    full_bytes=sp.residual_bytes, carried_bytes=program.act_bytes,
+                    recompute=program.config.residuals == "recompute", extra_grad_bytes=rest,
+                    tick_grad_bytes=rest)
+    return 2 * s.repeats * k * sp.layer_bytes + 2 * rest + loop.total
+
+
+def check_cost(program) -> tuple[float, float]:
+    """CPU microseconds of one memory check, before and after (median of 7 alternating rounds
+    of 20 calls; ``draft_of`` builds what ``build_program`` builds per candidate)."""
+    before, after = [], []
+    for _ in range(7):
+        t = time.process_time()
+        for _ in range(20):
+            split_bytes_before(program)
+        before.append((time.process_time() - t) / 20 * 1e6)
+        t = time.process_time()
+        for _ in range(20):
+            early_memory(draft_of(program))
+        after.append((time.process_time() - t) / 20 * 1e6)
+    return float(np.median(before)), float(np.median(after))
+
+
 def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zero: int,
             groups: bool) -> dict:
     """One row: the Adam train step pipelined so, planned and compiled."""
@@ -114,6 +160,17 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
     mem = jaxpar.inspect.memory(compiled)
     pipe = plan.pipeline
     loop = pipe.memory
+    program = cell.last_program
+    early = early_memory(draft_of(program))
+    assert early.total == pipe.split.memory_bytes, (early, pipe.split)  # what the check counted
+    n_p = len(jax.tree.leaves(args[0]))  # the Adam state's leaves follow the parameters'
+    n_o = len(jax.tree.leaves(args[1]))
+    mesh_shape = MeshShape.of(mesh)
+    state = sum(_local(a, sp, mesh_shape) for a, sp in zip(
+        jax.tree.leaves(args[1]), plan.input_specs[n_p:n_p + n_o], strict=True))
+    cost_before, cost_after = check_cost(program)
+    # the same check with the residual leaves the loop's probe found (the traced program's id)
+    probed = early_memory(dataclasses.replace(draft_of(program), id=program.id)).total
     return {"S": S, "M": M, "schedule": schedule + (" v=2" if interleave else ""),
             "residuals": residuals, "zero": zero, "groups": pipe.gradient_reduction is not None
             and pipe.gradient_reduction.once, "dp": dp, "split": list(pipe.split.counts),
@@ -124,7 +181,10 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
             "residual_slots": loop.residual_slots,
             "activation_slots": loop.activation_slots + loop.cotangent_slots,
             "accumulators": loop.accumulators, "tick": loop.tick,
-            "weight_copies": loop.weight_copies, "seconds": seconds}
+            "weight_copies": loop.weight_copies, "seconds": seconds,
+            "early": early.total, "early_before": split_bytes_before(program),
+            "early_parts": dataclasses.asdict(early), "early_probed": probed, "state": float(state),
+            "check_us_before": cost_before, "check_us": cost_after}
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -136,7 +196,8 @@ def rows(quick: bool = False) -> list[dict]:
         r = out[-1]
         print(f"pipeline memory {case}: predicted {r['predicted'] / 2**10:.1f} KiB, compiled "
               f"{r['total'] / 2**10:.1f} KiB ({r['predicted'] / r['total']:.3f}), "
-              f"{r['seconds']:.0f} s", flush=True)
+              f"{r['seconds']:.0f} s; early {r['early'] / r['total']:.3f} (before "
+              f"{r['early_before'] / r['total']:.3f})", flush=True)
     return out
 
 
@@ -167,6 +228,29 @@ def table(rows: list[dict]) -> list[str]:
             f"{r['predicted'] / r['total']:.3f} | {r['without_loop'] / r['total']:.3f} | "
             f"{k('residual_slots')} | {k('activation_slots')} | {k('accumulators')} | "
             f"{k('tick')} | {r.get('weight_copies', 0.0) / 2**10:.1f} |")
+    lines += ["", "## The split's memory check before the loop is traced: early estimate vs "
+              "compiled", "",
+              "KiB per device, the chosen split. Early: `plan.pipeline.split.memory_bytes` "
+              "(`pipeline/early.py`); before: the check at d8cabe7 (`memory.split_bytes`); "
+              "+ state: early + the Adam moments as planned (the check leaves them out); "
+              "traced: `plan.memory_bytes`; probed: early with the probe's residual leaves instead "
+              "of the graph's estimate. us: CPU microseconds of one check.", "",
+              "| S | M | schedule | residuals | ZeRO | groups | compiled | traced | "
+              "early before | early | before/compiled | early/compiled | "
+              "early+state/compiled | early/traced | probed+state/compiled | us before | us |",
+              "|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "early" not in r:
+            continue
+        t = r["total"]
+        lines.append(
+            f"| {r['S']} | {r['M']} | {r['schedule']} | {r['residuals']} | {r['zero']} | "
+            f"{'on' if r['groups'] else 'off'} | {t / 2**10:.1f} | "
+            f"{r['predicted'] / 2**10:.1f} | {r['early_before'] / 2**10:.1f} | "
+            f"{r['early'] / 2**10:.1f} | {r['early_before'] / t:.3f} | {r['early'] / t:.3f} | "
+            f"{(r['early'] + r['state']) / t:.3f} | {r['early'] / r['predicted']:.3f} | "
+            f"{(r['early_probed'] + r['state']) / t:.3f} | "
+            f"{r['check_us_before']:.0f} | {r['check_us']:.0f} |")
     return lines
 
 

@@ -158,7 +158,12 @@ class PipelineCell:
 
     def _program(self, args: Sequence[Any], found: tuple, where: str) -> PipelineProgram:
         config, mesh, mode, search_mode, hardware, tr = found
-        optimizer = tr.optimizer if tr is not None else None
+        # outside parallelize's trace (cell.stack) the context's parallel optimizer, as the
+        # step will trace it: the split's memory check counts ZeRO's terms (early.py), so the
+        # weights are stacked for the split the step's pipeline chooses
+        from jaxpar._src.optimizer_parallel import OptimizerParallel
+
+        optimizer = tr.optimizer if tr is not None else OptimizerParallel.from_context()
         batch_argnums = self.batch_argnums if self.batch_argnums is not None else \
             tuple(range(1, len(args)))
         if not batch_argnums:

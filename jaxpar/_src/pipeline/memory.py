@@ -24,7 +24,8 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
   before they are added to the accumulators, and the residuals it reads: sliced out of their
   slot, or, recomputing, the whole chunk's, remade.
 
-Before the loop is traced (the split, ``split.py``) a layer's stored residuals are estimated
+Before the loop is traced (the split's memory check, ``early.py``, calls :func:`loop_memory`
+on a draft of the program per candidate split) a layer's stored residuals are estimated
 from the graph: every operator's result in the layer.  Once it is traced, :func:`record` keeps
 what the probe of :mod:`residuals` found, and :func:`loop_memory` counts those leaves.  The step's
 plan adds the loop's arrays as temporaries of the loop operator, one by one once the loop is
@@ -38,11 +39,18 @@ the loop (the updated weights and Adam moments), as XLA's buffer assignment puts
 residuals, row groups on and off), where the loop as one temporary, sharing no output, was
 0.953-1.164 (over by 10-16% on the three that recompute with row groups).  Not counted: the
 zeros a backward's weight gradients start from and XLA's heap fragmentation (under), an
-accumulator XLA keeps in fewer bytes (over).  At ZeRO level 3 (the stacked weights split,
-gathered by the step before the loop) the accumulator's carry finds no output allocation to
-live in, and where a scan runs forward and backward ticks on one chunk per stage XLA holds
-the gathered weights twice: both counted (the GPT, S=2 M=4 1F1B level 3: 1.021 of the
-compiled total; 0.832 without them).
+accumulator XLA keeps in fewer bytes (over).  The zeros are broadcasts that start the
+``[k, G, ...]`` gradient buffers of the backward's scan over the chunk's layers, copied into
+the scan's loop state and live beside the copy: at the backward's peak of the GPT's S=2 M=4
+1F1B step (``--xla_dump_to``) those of the MLP's two kernels and first bias, one of the four
+attention kernels and one ``[16]`` vector (20.75 KiB of the chunk's 33.75 KiB of weights; 2.5
+KiB more are masks); the other weights' buffers are not kept so.  Which ones is XLA's
+choice, not a shape's, so no term models them (all of them, 33.75 KiB, would add about 6%
+to every row with a backward, most of which are over already).  At ZeRO level 3 (the
+stacked weights split, gathered by the step before the loop) the accumulator's carry finds
+no output allocation to live in, and where a scan runs forward and backward ticks on one
+chunk per stage XLA holds the gathered weights twice: both counted (the GPT, S=2 M=4 1F1B
+level 3: 1.021 of the compiled total; 0.832 without them).
 
 >>> from jaxpar._src.pipeline.schedule import PipelineSchedule
 >>> m = estimate(PipelineSchedule.build("gpipe", 2, 4), slots=3, layer_bytes=100.0,
@@ -174,29 +182,6 @@ def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
         tick=max(forward, backward), res_slots=t.res_slots, act_slots=t.act_slots,
         ct_slots=t.ct_slots, slots=k, repeats=v,
         layer_stored=carried_bytes / max(k, 1) if recompute else stored_bytes)
-
-
-def split_bytes(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
-                residual_bytes: float, carried_bytes: float, rest_bytes: float,
-                recompute: bool = False) -> float:
-    """What the split's memory check (``split.py``) counts for ``slots`` layers per chunk,
-    before the loop is traced: the stage's stacked weights and their gradients (the loop's
-    operands and results), the rest and its gradients, and :func:`estimate` with a layer's
-    residuals from the graph and the rest's gradient accumulators.  The optimizer's state,
-    the batch and the step's other temporaries are the step's, unknown here: the step's plan
-    counts them (``plan.memory_bytes``).
-
-    >>> s = PipelineSchedule.build("1f1b", 2, 4)
-    >>> need = [split_bytes(s, slots=k, layer_bytes=100.0, residual_bytes=10.0,
-    ...                     carried_bytes=1.0, rest_bytes=0.0) for k in (0, 1, 2)]
-    >>> need[2] - need[1] == need[1] - need[0]  # linear in the slots: slots_within's form
-    True
-    """
-    v = schedule.repeats
-    loop = estimate(schedule, slots=slots, layer_bytes=layer_bytes, stored_bytes=residual_bytes,
-                    full_bytes=residual_bytes, carried_bytes=carried_bytes, recompute=recompute,
-                    extra_grad_bytes=rest_bytes, tick_grad_bytes=rest_bytes)
-    return 2 * v * slots * layer_bytes + 2 * rest_bytes + loop.total
 
 
 def record(program: Any, stored: Sequence[Any], specs: Sequence[Spec | None],

@@ -29,17 +29,16 @@ from jaxpar._src.errors import MeshError, PlanError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
+from jaxpar._src.pipeline.early import Draft, early_memory, most_slots
 from jaxpar._src.pipeline.ends import EndGroups, end_groups, end_scatters
 from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups, strip
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
-from jaxpar._src.pipeline.memory import split_bytes
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
     BACKWARD_FACTOR,
     StageSplit,
     choose_split,
     marked_split,
-    slots_within,
 )
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
@@ -195,29 +194,9 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     costs = _costs(graph, plan, layers.layers[rep], parts, hardware)
     schedule = PipelineSchedule.build(config.schedule, S, M, config.repeats)
     forward = PipelineSchedule.build("forward", S, M, config.repeats)
-    if layers.marked:
-        split = marked_split(n, stages=S, layer_s=costs["layer_s"],
-                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
-                             layer_bytes=costs["layer_bytes"],
-                             residual_bytes=costs["residual_bytes"])
-    else:
-        def need(k: int) -> float:  # linear in k (pipeline/memory.py)
-            return split_bytes(schedule, slots=k, layer_bytes=costs["layer_bytes"],
-                               residual_bytes=costs["residual_bytes"],
-                               carried_bytes=costs["act_bytes"], rest_bytes=costs["rest_bytes"],
-                               recompute=config.residuals == "recompute")
-
-        assert hardware.memory_per_device is not None  # a profile fills every field
-        max_slots, fits = slots_within(float(hardware.memory_per_device),
-                                       fixed_bytes=need(0), per_slot_bytes=need(1) - need(0),
-                                       layers=n, chunks=C)
-        split = choose_split(n, stages=S, repeats=config.repeats, layer_s=costs["layer_s"],
-                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
-                             max_slots=max_slots, layer_bytes=costs["layer_bytes"],
-                             residual_bytes=costs["residual_bytes"], fits=fits,
-                             idle_s=costs["idle_s"])
-        split = dataclasses.replace(split, memory_bytes=need(split.slots))
     rep_layer = layers.layers[rep]
+    # the row groups and the ends depend on the layers, not on the split: made first, so the
+    # split's memory check counts what they hold (early.py)
     groups = row_groups(
         graph=graph, plan=plan, layer=rep_layer,
         carried_in=tuple(layers.layers[0].act_in) + tuple(rep_layer.act_in)
@@ -233,28 +212,67 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         floats=[bool(jnp.issubdtype(graph.values[v].dtype, jnp.inexact))
                 for v in parts["rest"]],
         layer_reads=_layer_reads(graph, rep_layer, parts["rest"], groups))
-    slot_layer = np.full((S, config.repeats, split.slots), -1, np.int32)
-    for c in range(C):
-        start = split.first_layer(c)
-        for i in range(split.counts[c]):
-            slot_layer[c % S, c // S, i] = start + i
     stacked_avals = [graph.values[rep_layer.weights[j]] for j in layers.stacked]
-    scatters = gradient_scatters(groups, optimizer, stacked_avals, slot_layer.shape,
-                                 [Spec(((AXIS,), (), ()) + plan.decisions[v.producer]
-                                       .out_specs[v.index].dims) for v in stacked_avals],
-                                 MeshShape.of(mesh))
+    stacked_specs = [Spec(((AXIS,), (), ()) + plan.decisions[v.producer].out_specs[v.index].dims)
+                     for v in stacked_avals]
     rest_scatters = end_scatters(ends, groups.axes, optimizer,
                                  [graph.values[v] for v in parts["rest"]],
                                  [plan.decisions[graph.values[v].producer]
                                   .out_specs[graph.values[v].index] for v in parts["rest"]],
                                  MeshShape.of(mesh))
+
+    def scatters_for(k: int) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+        return gradient_scatters(groups, optimizer, stacked_avals, (S, config.repeats, k),
+                                 stacked_specs, MeshShape.of(mesh))
+
+    def splits(scatters: tuple) -> bool:  # level 3: the stacked weights split as their moments
+        return bool(scatters) and optimizer is not None and optimizer.shards_parameters
+
+    if layers.marked:
+        split = marked_split(n, stages=S, layer_s=costs["layer_s"],
+                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
+                             layer_bytes=costs["layer_bytes"],
+                             residual_bytes=costs["residual_bytes"])
+    else:
+        needs: dict[int, float] = {}
+
+        def need(k: int) -> float:  # the candidate's memory per device (early.py)
+            if k not in needs:
+                needs[k] = draft_bytes(k)
+            return needs[k]
+
+        def draft_bytes(k: int) -> float:
+            scatters = scatters_for(k)
+            return early_memory(Draft(
+                config, mesh, plan, graph, layers, rep,
+                StageSplit((k,) * C, S, layer_bytes=costs["layer_bytes"],
+                           residual_bytes=costs["residual_bytes"]),
+                schedule, parts["rest"], batch,
+                tuple(layers.layers[0].act_in) + parts["carried_shared"], layers.stacked,
+                groups, ends, scatters, rest_scatters, splits(scatters), rows)).total
+
+        assert hardware.memory_per_device is not None  # a profile fills every field
+        max_slots, fits = most_slots(need, float(hardware.memory_per_device), layers=n,
+                                     chunks=C)
+        split = choose_split(n, stages=S, repeats=config.repeats, layer_s=costs["layer_s"],
+                             prologue_s=costs["prologue_s"], epilogue_s=costs["epilogue_s"],
+                             max_slots=max_slots, layer_bytes=costs["layer_bytes"],
+                             residual_bytes=costs["residual_bytes"], fits=fits,
+                             idle_s=costs["idle_s"])
+        split = dataclasses.replace(split, memory_bytes=need(split.slots))
+    slot_layer = np.full((S, config.repeats, split.slots), -1, np.int32)
+    for c in range(C):
+        start = split.first_layer(c)
+        for i in range(split.counts[c]):
+            slot_layer[c % S, c // S, i] = start + i
+    scatters = scatters_for(split.slots)
     return PipelineProgram(
         next(_ids), config, mesh, plan, how, graph, layers, rep, split, schedule, forward,
         parts["rest"], batch, parts["pro_nodes"], parts["epi_nodes"], parts["carried_shared"],
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        bool(scatters) and optimizer is not None and optimizer.shards_parameters)
+        splits(scatters))
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups

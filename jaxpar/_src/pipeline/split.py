@@ -41,7 +41,7 @@ class StageSplit:
       even_cost_s: the slowest chunk of the even split, for comparison.
       fits: whether the memory estimate fits the budget.
       memory_bytes: the memory estimate per device the budget was checked with, for this
-        split's slots (``memory.split_bytes``; 0 for marked stages: not checked).
+        split's slots (``early.early_memory``; 0 for marked stages: not checked).
       idle_s: an idle slot's forward (a padded chunk's slots beyond its layers).
     """
 
@@ -186,15 +186,4 @@ def _ms(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} us"
-
-
-def slots_within(budget: float, *, fixed_bytes: float, per_slot_bytes: float,
-                 layers: int, chunks: int) -> tuple[int, bool]:
-    """The most layer slots per chunk whose memory estimate fits ``budget``, and whether even
-    the even split fits."""
-    even = -(-layers // chunks)
-    if per_slot_bytes <= 0 or budget <= 0:
-        return layers, True
-    most = int((budget - fixed_bytes) // per_slot_bytes)
-    return max(most, even), most >= even
 

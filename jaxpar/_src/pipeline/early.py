@@ -1,0 +1,184 @@
+"""The split's memory check before the loop is traced: a candidate's memory per device.
+
+The split (``split.py``) bounds the layer slots per chunk ``k`` by
+``HardwareProfile.memory_per_device``, before the loop is built, so before the probe of
+``residuals.py`` has found what a chunk stores.  What the row groups, ZeRO and level 3 change is
+known by then: the row groups (``groups.py``) and the ends (``ends.py``) depend on the layers,
+not on the split, and the reduce-scatter decision of each stacked weight
+(``groups.gradient_scatters``) on its ``[S, v, k, ...]`` shape, which each candidate ``k`` fixes.
+So each candidate is a :class:`Draft`: the fields of a ``PipelineProgram`` that the loop's
+memory model (``memory.loop_memory``) reads, with that ``k``, its scatters and whether level 3
+splits the weights, and :func:`early_memory` counts, per device:
+
+* **weights**: the stacked ones ``[v, k, ...]`` as the step passes them (split over the row axes
+  at level 3, like their moments) and the rest;
+* **gathered**: at level 3 the stacked weights the step gathers whole before the loop;
+* **gradients**: the loop's results, the stacked ones reduce-scattered over the row axes where
+  ZeRO splits them (``1/G``), the rest's as their accumulators are laid out;
+* **batch**: the micro-batched batch;
+* **loop**: ``memory.loop_memory`` of the draft, with a layer's residuals estimated from the
+  graph (every operator result of the layer): the slots, the row groups' ``[v, G, k, ...]``
+  accumulators and the reduce-scatter's operand, the rest's per-group gradients, one tick
+  (with the zeros its weight gradients start from), and level 3's second copy of the gathered
+  weights.
+
+Left out: the optimizer state (made by the step from the stacked weights after
+``cell.stack``, which builds the program: the cell never sees it; Adam's moments are two copies
+of the weights, split over the row axes with ZeRO) and the step's own temporaries; the
+step's plan counts them (``plan.memory_bytes``).  The stored residuals from the graph are the
+estimate's largest error (26.1 KiB per layer against the probe's 13.9 on the bench's GPT).
+
+>>> from jaxpar._src.pipeline.early import EarlyMemory
+>>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
+71.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxpar._src.pipeline.groups import strip
+from jaxpar._src.pipeline.memory import _bytes, _local, loop_memory
+from jaxpar._src.spec import MeshShape, Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyMemory:
+    """A split candidate's memory per device before the loop is traced (module docstring)."""
+
+    weights: float
+    gathered: float
+    gradients: float
+    batch: float
+    loop: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gathered + self.gradients + self.batch + self.loop
+
+    def explain(self) -> str:
+        return (f"{_bytes(self.total)}: weights {_bytes(self.weights)}, gradients "
+                f"{_bytes(self.gradients)}, batch {_bytes(self.batch)}, loop "
+                f"{_bytes(self.loop)}" + (f", gathered {_bytes(self.gathered)}"
+                                          if self.gathered else ""))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draft:
+    """What ``memory.loop_memory`` reads of a ``PipelineProgram``, for one candidate's slots
+    ``k`` (``split``: ``(k,) * chunks``), before the loop exists (``id`` 0: never traced)."""
+
+    config: Any
+    mesh: Any
+    sub_plan: Any
+    graph: Any
+    layers: Any
+    rep: int
+    split: Any
+    schedule: Any
+    rest: tuple[int, ...]
+    batch: tuple[int, ...]
+    carried_in: tuple[int, ...]
+    stacked: tuple[int, ...]
+    groups: Any
+    ends: Any
+    scatters: tuple[tuple[int, int, tuple[str, ...]], ...]
+    rest_scatters: tuple[tuple[int, int, tuple[str, ...]], ...]
+    params_split: bool
+    micro_size: int
+    id: int = 0
+
+    @property
+    def rep_layer(self) -> Any:
+        return self.layers.layers[self.rep]
+
+    def spec(self, vid: int) -> Spec:
+        v = self.graph.values[vid]
+        return self.sub_plan.decisions[v.producer].out_specs[v.index]
+
+
+def early_memory(draft: Draft) -> EarlyMemory:
+    """``draft``'s memory per device (see the module docstring)."""
+    mesh = MeshShape.of(draft.mesh)
+    v, k, M = draft.config.repeats, draft.split.slots, draft.config.micro_batches
+    graph = draft.graph
+    split = {j: mesh.product(axes) for j, _, axes in draft.scatters}
+    weights = gathered = grads = 0.0
+    for j, pos in enumerate(draft.stacked):
+        w = graph.values[draft.rep_layer.weights[pos]]
+        whole = v * k * _local(w, draft.spec(w.id), mesh)
+        if draft.params_split and j in split:
+            weights += whole / split[j]
+            gathered += whole
+        else:
+            weights += whole
+        if _inexact(w):
+            grads += whole / split.get(j, 1)
+    rest_split = {i: (dim, axes) for i, dim, axes in draft.rest_scatters}
+    for i, vid in enumerate(draft.rest):
+        value = graph.values[vid]
+        spec = draft.spec(vid)
+        weights += _local(value, spec, mesh)
+        if not _inexact(value):
+            continue
+        if i in rest_split:  # reduce-scattered: whole over the row axes but that dimension
+            dim, axes = rest_split[i]
+            dims = list(strip(spec, draft.groups.axes).dims)
+            dims[dim] = dims[dim] + axes
+            spec = Spec(tuple(dims))
+        grads += _local(value, spec, mesh)
+    batch = M * sum(_local(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
+    return EarlyMemory(weights, gathered, grads, batch,
+                       loop_memory(draft, backward=draft.schedule.has_backward).total)
+
+
+def most_slots(need: Any, budget: float, *, layers: int, chunks: int) -> tuple[int, bool]:
+    """The most layer slots per chunk ``k`` with ``need(k) <= budget`` (``need``: the
+    estimate, about linear in ``k``; not exactly, since the scatter decision follows the
+    ``[S, v, k]`` shape), and whether the even split's ``k`` fits: the even split first, a
+    line through it and the next guesses the largest, which is then checked down or up.
+
+    >>> most_slots(lambda k: 10.0 * k, 45.0, layers=8, chunks=2)
+    (4, True)
+    >>> most_slots(lambda k: 10.0 * k, 35.0, layers=8, chunks=2)
+    (4, False)
+    """
+    even = -(-layers // chunks)
+    top = layers - chunks + 1
+    if budget <= 0 or not math.isfinite(budget):  # no budget: no bound
+        return layers, True
+    if need(even) > budget:
+        return even, False
+    if even >= top:
+        return even, True
+    slope = need(even + 1) - need(even)
+    k = top if slope <= 0 else min(top, even + int((budget - need(even)) // slope))
+    while k > even and need(k) > budget:
+        k -= 1
+    while k < top and need(k + 1) <= budget:
+        k += 1
+    return k, True
+
+
+def _inexact(value: Any) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(value.dtype, jnp.inexact))
+
+
+
+def draft_of(program: Any) -> Draft:
+    """The draft of a built ``PipelineProgram`` at its own split's slots: what the split's
+    check counted for it, to compare with the traced model (``bench/pipeline_memory.py``)."""
+    from jaxpar._src.pipeline.split import StageSplit
+
+    split = program.split
+    return Draft(program.config, program.mesh, program.sub_plan, program.graph, program.layers,
+                 program.rep, StageSplit((split.slots,) * split.chunks, split.stages,
+                                         layer_bytes=split.layer_bytes,
+                                         residual_bytes=split.residual_bytes),
+                 program.schedule, program.rest, program.batch, program.carried_in,
+                 program.stacked, program.groups, program.ends, program.scatters,
+                 program.rest_scatters, program.params_split, program.micro_size)
