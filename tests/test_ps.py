@@ -7,6 +7,7 @@ checkpoint; the asynchronous one must reach a comparable accuracy.
 
 import functools
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -29,8 +30,11 @@ OPT = optax.sgd(0.2, momentum=0.9)
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    os.environ["PYTHONPATH"] = os.pathsep.join(  # the actors import this module's functions
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # the actors import jaxpar from this checkout
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    # this module's functions go to the actors by value: an actor that imported the module
+    # would import pytest too (0.3 CPU s in each of the 15 actors)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # no idle workers prestarted: every actor here has its own runtime_env (the trainer sets
     # env vars), so Ray could not use them and they only take the two cores from the actors
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
@@ -38,6 +42,27 @@ def local_ray():
                              "prestart_worker_first_driver": False})
     yield
     ray.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def actor_options(tmp_path_factory):
+    """One JAX compilation cache for every actor of the module: a restarted or added worker
+    loads the gradient step another worker compiled (~1 CPU s each) instead of compiling it
+    again; the programs and numbers are the same."""
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {"runtime_env": {"env_vars": {"JAX_COMPILATION_CACHE_DIR": str(cache),
+                                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}}}
+
+
+@pytest.fixture(scope="module")
+def digits_file(tmp_path_factory):
+    """The digits as the workers read them: a file (scikit-learn's import costs each reading
+    worker 2 CPU s)."""
+    path = tmp_path_factory.mktemp("data") / "digits.npz"
+    x, y = digits()
+    np.savez(path, x=x, y=y)
+    return str(path)
 
 
 def classifier(params, x):
@@ -107,16 +132,17 @@ def assert_same_params(a, b):
         np.testing.assert_allclose(a[name], b[name], rtol=2e-4, atol=2e-5, err_msg=name)
 
 
-def read_part(step, part, num_parts):
-    """Runs on the workers: their part of batch ``step``, read where they are."""
-    x, y = digits()
+def read_part(path, step, part, num_parts):
+    """Runs on the workers: their part of batch ``step``, read from the file ``path``."""
+    with np.load(path) as data:
+        x, y = data["x"], data["y"]
     xb, yb = batches(x, y, step + 1, seed=5)[step]
     rows = ps.part_slice(BATCH, part, num_parts)
     return xb[rows], yb[rows]
 
 
 def test_sync_equals_data_parallel_with_worker_reads_elastic_workers_faults_and_a_dead_server(
-        tmp_path):
+        tmp_path, actor_options, digits_file):
     """One trainer for four runs (its five actors start once: each start costs seconds); each
     run ends where data-parallel training on the same batches, with the same optimizer state,
     does:
@@ -157,11 +183,13 @@ def test_sync_equals_data_parallel_with_worker_reads_elastic_workers_faults_and_
             ray.kill(trainer.servers[1])
 
     with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
-                                   checkpoint_every=3, checkpoint_dir=str(tmp_path)) as trainer:
+                                   checkpoint_every=3, checkpoint_dir=str(tmp_path),
+                                   actor_options=actor_options) as trainer:
         history = trainer.train(data)
         got = trainer.params
         report = trainer.report()
-        read_history = trainer.train(ps.read_on_workers(read_part, BATCH), steps=5)
+        reader = ps.read_on_workers(functools.partial(read_part, digits_file), BATCH)
+        read_history = trainer.train(reader, steps=5)
         got_read = trainer.params
         report_read = trainer.report()
         history3 = trainer.train(data3, callbacks=[chaos])
@@ -186,7 +214,7 @@ def test_sync_equals_data_parallel_with_worker_reads_elastic_workers_faults_and_
     assert [h.step for h in read_history] == [8, 9, 10, 11, 12]
     assert report_read.applied == (3 * 13, 3 * 13)
     with pytest.raises(jaxpar.JaxparError, match="give steps="):
-        trainer.train(ps.read_on_workers(read_part, BATCH))
+        trainer.train(reader)
 
     # 3. elastic workers and worker faults
     workers = [h.workers for h in history3]
@@ -212,7 +240,7 @@ def test_sync_equals_data_parallel_with_worker_reads_elastic_workers_faults_and_
 
 
 def test_async_converges_survives_a_dropped_worker_and_counts_a_restored_servers_losses(
-        tmp_path):
+        tmp_path, actor_options):
     """One trainer for two asynchronous runs (its actors start once: each start costs
     seconds): 45 batches in which a worker dies and is dropped, reaching an accuracy comparable
     with synchronous training; then 12 batches in which a server dies and comes back from its
@@ -236,7 +264,8 @@ def test_async_converges_survives_a_dropped_worker_and_counts_a_restored_servers
 
     with ps.ParameterServerTrainer(loss_fn, init_params(), OPT, server_num=2, worker_num=3,
                                    mode="async", max_staleness=4, on_worker_failure="drop",
-                                   checkpoint_every=8, checkpoint_dir=str(tmp_path)) as trainer:
+                                   checkpoint_every=8, checkpoint_dir=str(tmp_path),
+                                   actor_options=actor_options) as trainer:
         history = trainer.train(data, callbacks=[kill])
         got = trainer.params
         report = trainer.report()
