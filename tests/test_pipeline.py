@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar._src.pipeline import stacked
 from jaxpar._src.pipeline.layers import find_layers
 from jaxpar._src.pipeline.report import GradientReduction
 from jaxpar._src.pipeline.schedule import PipelineSchedule, Task
@@ -468,6 +469,89 @@ def test_stacked_weights_stay_on_their_stage(S):
     count = 4  # Adam's step count, int32
     moments = 2 * stage // (8 // S if zero else 1)
     assert compiled.memory_analysis().argument_size_in_bytes == stage + moments + count + x_shard
+
+
+@pytest.fixture
+def compiles():
+    """The number of XLA compiles so far (a list of one, counted while the test runs)."""
+    count = [0]
+
+    def compiled(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(compiled)
+
+
+def test_unstack_and_restack_are_one_program_each(compiles):
+    """Eager, unstack slices every leaf in one jitted program and stack builds every stacked
+    array in one (before: a program per leaf and slot, and per group's zeros, stack, reshape:
+    64 of the (2, 2, 2) GPT Model.train test's 136 compiles), with the values, dtypes and
+    shardings of the per-leaf slices and stacks."""
+    def loss(p, x):
+        for w, b in p["layers"]:
+            x = jnp.tanh(x @ w + b)
+        return jnp.mean((x @ p["head"]) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    p = {"layers": [(jax.random.normal(keys[i], (8, 8)), jax.random.normal(keys[3 + i], (8,)))
+                    for i in range(3)], "head": jax.random.normal(keys[6], (8, 4))}
+    x = jax.random.normal(keys[7], (16, 8))
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=4):
+        sw = jaxpar.PipelineCell(loss, batch_argnums=1).stack(p, x)
+    layout = sw.layout
+    assert len(layout.groups) == 2 and layout.others  # the head stays as it is
+    assert any(-1 in g for g in layout.groups)  # 3 layers on 2 stages: a padding slot
+    # the layer weights put split over pp on their first dimension, and one of them over dp too
+    shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        "pp", *([None] * (a.ndim - 2)), "dp" if a.ndim == 5 else None)) for a in sw.stacked]
+    sw = jaxpar.StackedParams(
+        [jax.device_put(a, s) for a, s in zip(sw.stacked, shardings, strict=True)],
+        sw.others, layout)
+    before = compiles[0]
+    got = jax.tree.leaves(sw.unstack())
+    assert compiles[0] - before == 1
+    again = jax.tree.leaves(sw.unstack())
+    assert compiles[0] - before == 1  # a second unstack compiles nothing
+    leaves = jax.tree.leaves(p)
+    want: list = [None] * len(leaves)
+    for i, a in zip(layout.others, sw.others, strict=True):
+        want[i] = a
+    # the per-leaf slices, as before (taken after unstack: they compile the programs the
+    # old unstack ran, one per leaf and slot)
+    for group, a in zip(layout.groups, sw.stacked, strict=True):
+        flat = jnp.reshape(a, (len(group),) + a.shape[3:])
+        for slot, leaf in enumerate(group):
+            if leaf >= 0:
+                want[leaf] = flat[slot]
+    for a, b, c, leaf in zip(got, want, again, leaves, strict=True):
+        assert a.dtype == b.dtype == leaf.dtype and a.shape == leaf.shape
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, leaf)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        assert c.sharding.is_equivalent_to(a.sharding, a.ndim)
+    assert got[layout.others[0]] is p["head"]  # a leaf kept as it is is not copied
+    # restacking (Model.train's optimizer moments): one program, the given shardings, zeros
+    # in the padding slots (the leaves on the mesh already: moving one device's arrays to the
+    # mesh compiles small programs of its own, one per shape)
+    p = jax.device_put(p, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    leaves = jax.tree.leaves(p)
+    before = compiles[0]
+    first = stacked.stack(layout, p, shardings)
+    restack = stacked.stack(layout, p, shardings)
+    assert compiles[0] - before == 1
+    for a, b, s, group in zip(first.stacked, restack.stacked, shardings, layout.groups,
+                              strict=True):
+        per_slot = [np.asarray(leaves[x]) if x >= 0 else np.zeros(a.shape[3:], a.dtype)
+                    for x in group]
+        np.testing.assert_array_equal(a, np.stack(per_slot).reshape(a.shape))
+        np.testing.assert_array_equal(b, a)
+        assert a.dtype == leaves[max(group)].dtype and a.sharding == s == b.sharding
+    assert first.layout.specs and first.others[0] is p["head"]
 
 
 # -- errors ----------------------------------------------------------------------------------------

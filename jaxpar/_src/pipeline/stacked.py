@@ -19,7 +19,8 @@ of every layer (embeddings, the head, derived weights) stay as they are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -84,16 +85,21 @@ class StackedParams:
         return cls(children[0], children[1], layout)
 
     def leaves(self) -> list[Any]:
-        """The per-layer leaves: a stacked leaf is its slot of its stacked array (a slice no
-        one reads costs nothing in a jitted program)."""
+        """The per-layer leaves: a stacked leaf is its slot of its stacked array.
+
+        Traced (the cell's step), the slices are ops of the caller's program (a slice no one
+        reads costs nothing there); eager, one jitted program slices every leaf (compiled
+        once per layout, shapes and shardings, not one small program per leaf)."""
         out: list[Any] = [None] * len(self.layout.avals)
         for i, x in zip(self.layout.others, self.others, strict=True):
             out[i] = x
-        for group, a in zip(self.layout.groups, self.stacked, strict=True):
-            flat = jnp.reshape(a, (len(group),) + tuple(a.shape[3:]))
-            for slot, leaf in enumerate(group):
-                if leaf >= 0:
-                    out[leaf] = flat[slot]
+        groups = self.layout.groups
+        if any(isinstance(a, jax.core.Tracer) for a in self.stacked):
+            parts = _slices(groups, self.stacked)
+        else:
+            parts = _unstack_program(groups)(tuple(self.stacked))
+        for leaf, x in zip((x for g in groups for x in g if x >= 0), parts, strict=True):
+            out[leaf] = x
         return out
 
     def unstack(self) -> Any:
@@ -164,24 +170,55 @@ def _through_reshapes(graph: Any, vid: int) -> int:
 
 def stack(layout: StackLayout, params: Any, shardings: Sequence[Any] | None = None
           ) -> StackedParams:
-    """``params`` stacked in ``layout``; each stacked array put with ``shardings[i]``."""
+    """``params`` stacked in ``layout``; each stacked array put with ``shardings[i]``.
+
+    One jitted program stacks every group (compiled once per layout, shapes and shardings):
+    eager, each group's zeros, stack, reshape and put were small programs of their own."""
     leaves = jax.tree.leaves(params)
-    S, v, k = layout.grid
     if shardings is not None:
+        shardings = tuple(shardings)
         specs = tuple(Spec.from_partition_spec(sh.spec, 3 + len(layout.avals[
             next(x for x in g if x >= 0)][0])) for sh, g in zip(shardings, layout.groups,
                                                                  strict=True))
         layout = dataclasses.replace(layout, specs=specs)
-    stacked = []
-    for i, group in enumerate(layout.groups):
-        first = leaves[next(x for x in group if x >= 0)]
-        zero = jnp.zeros_like(first)
-        a = jnp.stack([leaves[x] if x >= 0 else zero for x in group])
-        a = a.reshape((S, v, k) + tuple(jnp.shape(first)))
-        if shardings is not None:
-            a = jax.device_put(a, shardings[i])
-        stacked.append(a)
+    used = [leaves[x] for g in layout.groups for x in g if x >= 0]
+    stacked = _stack_program(layout.groups, layout.grid, shardings)(tuple(used))
     return StackedParams(stacked, [leaves[i] for i in layout.others], layout)
+
+
+def _slices(groups: tuple[tuple[int, ...], ...], stacked: Sequence[Any]) -> list[Any]:
+    """Every used slot of every stacked array, in the order of ``groups``' used slots."""
+    parts: list[Any] = []
+    for group, a in zip(groups, stacked, strict=True):
+        flat = jnp.reshape(a, (len(group),) + tuple(a.shape[3:]))
+        parts.extend(flat[slot] for slot, leaf in enumerate(group) if leaf >= 0)
+    return parts
+
+
+@functools.lru_cache(maxsize=64)
+def _unstack_program(groups: tuple[tuple[int, ...], ...]) -> Callable:
+    """:func:`_slices` as one jitted program (jit caches it per shapes and shardings)."""
+    return jax.jit(lambda stacked: tuple(_slices(groups, stacked)))
+
+
+@functools.lru_cache(maxsize=64)
+def _stack_program(groups: tuple[tuple[int, ...], ...], grid: tuple[int, int, int],
+                   shardings: tuple[Any, ...] | None) -> Callable:
+    """One jitted program stacking the used leaves (in the order of ``groups``' used slots)
+    into one ``[S, v, k, ...]`` array per group, zeros in the padding slots, each put with
+    its sharding when given."""
+    def run(used: tuple[Any, ...]) -> tuple[Any, ...]:
+        it = iter(used)
+        out = []
+        for group in groups:
+            given = {slot: next(it) for slot, x in enumerate(group) if x >= 0}
+            first = next(iter(given.values()))
+            zero = jnp.zeros_like(first)
+            a = jnp.stack([given.get(slot, zero) for slot in range(len(group))])
+            out.append(a.reshape(grid + tuple(jnp.shape(first))))
+        return tuple(out)
+
+    return jax.jit(run) if shardings is None else jax.jit(run, out_shardings=shardings)
 
 
 def unstacked(tree: Any) -> Any:
