@@ -168,7 +168,6 @@ def _inexact(value: Any) -> bool:
     return bool(jnp.issubdtype(value.dtype, jnp.inexact))
 
 
-
 def draft_of(program: Any) -> Draft:
     """The draft of a built ``PipelineProgram`` at its own split's slots: what the split's
     check counted for it, to compare with the traced model (``bench/pipeline_memory.py``)."""
