@@ -60,7 +60,8 @@ from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar._src.pipeline.early import draft_of, early_memory  # noqa: E402
-from jaxpar._src.pipeline.memory import _local, estimate  # noqa: E402
+from jaxpar._src.pipeline.memory import estimate  # noqa: E402
+from jaxpar._src.pipeline.view import local_bytes  # noqa: E402
 from jaxpar._src.spec import MeshShape  # noqa: E402
 
 # S, M, schedule, interleave, residuals, ZeRO level, row groups (dp > 1)
@@ -106,7 +107,7 @@ def split_bytes_before(program) -> float:
     (``memory.split_bytes`` at d8cabe7), for the program's own slots."""
     mesh = MeshShape.of(program.mesh)
     sp, s, k = program.split, program.schedule, program.split.slots
-    rest = sum(_local(program.graph.values[v], program.spec(v), mesh) for v in program.rest)
+    rest = sum(local_bytes(program.graph.values[v], program.spec(v), mesh) for v in program.rest)
     loop = estimate(s, slots=k, layer_bytes=sp.layer_bytes, stored_bytes=sp.residual_bytes,
                     full_bytes=sp.residual_bytes, carried_bytes=program.act_bytes,
                     recompute=program.config.residuals == "recompute", extra_grad_bytes=rest,
@@ -166,7 +167,7 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
     n_p = len(jax.tree.leaves(args[0]))  # the Adam state's leaves follow the parameters'
     n_o = len(jax.tree.leaves(args[1]))
     mesh_shape = MeshShape.of(mesh)
-    state = sum(_local(a, sp, mesh_shape) for a, sp in zip(
+    state = sum(local_bytes(a, sp, mesh_shape) for a, sp in zip(
         jax.tree.leaves(args[1]), plan.input_specs[n_p:n_p + n_o], strict=True))
     cost_before, cost_after = check_cost(program)
     # the same check with the residual leaves the loop's probe found (the traced program's id)

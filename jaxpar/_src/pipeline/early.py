@@ -40,7 +40,8 @@ import math
 from typing import Any
 
 from jaxpar._src.pipeline.groups import strip
-from jaxpar._src.pipeline.memory import _bytes, _local, loop_memory
+from jaxpar._src.pipeline.memory import loop_memory
+from jaxpar._src.pipeline.view import LayerView, format_bytes, local_bytes
 from jaxpar._src.spec import MeshShape, Spec
 
 
@@ -59,14 +60,14 @@ class EarlyMemory:
         return self.weights + self.gathered + self.gradients + self.batch + self.loop
 
     def explain(self) -> str:
-        return (f"{_bytes(self.total)}: weights {_bytes(self.weights)}, gradients "
-                f"{_bytes(self.gradients)}, batch {_bytes(self.batch)}, loop "
-                f"{_bytes(self.loop)}" + (f", gathered {_bytes(self.gathered)}"
+        return (f"{format_bytes(self.total)}: weights {format_bytes(self.weights)}, gradients "
+                f"{format_bytes(self.gradients)}, batch {format_bytes(self.batch)}, loop "
+                f"{format_bytes(self.loop)}" + (f", gathered {format_bytes(self.gathered)}"
                                           if self.gathered else ""))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Draft:
+class Draft(LayerView):
     """What ``memory.loop_memory`` reads of a ``PipelineProgram``, for one candidate's slots
     ``k`` (``split``: ``(k,) * chunks``), before the loop exists (``id`` 0: never traced)."""
 
@@ -90,14 +91,6 @@ class Draft:
     micro_size: int
     id: int = 0
 
-    @property
-    def rep_layer(self) -> Any:
-        return self.layers.layers[self.rep]
-
-    def spec(self, vid: int) -> Spec:
-        v = self.graph.values[vid]
-        return self.sub_plan.decisions[v.producer].out_specs[v.index]
-
 
 def early_memory(draft: Draft) -> EarlyMemory:
     """``draft``'s memory per device (see the module docstring)."""
@@ -108,7 +101,7 @@ def early_memory(draft: Draft) -> EarlyMemory:
     weights = gathered = grads = 0.0
     for j, pos in enumerate(draft.stacked):
         w = graph.values[draft.rep_layer.weights[pos]]
-        whole = v * k * _local(w, draft.spec(w.id), mesh)
+        whole = v * k * local_bytes(w, draft.spec(w.id), mesh)
         if draft.params_split and j in split:
             weights += whole / split[j]
             gathered += whole
@@ -120,7 +113,7 @@ def early_memory(draft: Draft) -> EarlyMemory:
     for i, vid in enumerate(draft.rest):
         value = graph.values[vid]
         spec = draft.spec(vid)
-        weights += _local(value, spec, mesh)
+        weights += local_bytes(value, spec, mesh)
         if not _inexact(value):
             continue
         if i in rest_split:  # reduce-scattered: whole over the row axes but that dimension
@@ -128,8 +121,8 @@ def early_memory(draft: Draft) -> EarlyMemory:
             dims = list(strip(spec, draft.groups.axes).dims)
             dims[dim] = dims[dim] + axes
             spec = Spec(tuple(dims))
-        grads += _local(value, spec, mesh)
-    batch = M * sum(_local(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
+        grads += local_bytes(value, spec, mesh)
+    batch = M * sum(local_bytes(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
     return EarlyMemory(weights, gathered, grads, batch,
                        loop_memory(draft, backward=draft.schedule.has_backward).total)
 

@@ -66,7 +66,6 @@ level 3: 1.021 of the compiled total; 0.832 without them).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +73,7 @@ import jax.numpy as jnp
 
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.slots import SlotTables
+from jaxpar._src.pipeline.view import format_bytes, local_bytes
 from jaxpar._src.spec import MeshShape, Spec
 
 # program id -> (stored, full) per layer slot, and each stored and remade leaf's bytes per chunk
@@ -125,12 +125,13 @@ class LoopMemory:
 
     def explain(self) -> str:
         """One line for ``plan.pipeline.explain()``."""
-        return (f"loop {_bytes(self.total)}: residual slots {_bytes(self.residual_slots)} "
+        b = format_bytes
+        return (f"loop {b(self.total)}: residual slots {b(self.residual_slots)} "
                 f"({self.res_slots} + 1 scratch x {self.slots} layers x "
-                f"{_bytes(self.layer_stored)}, {self.how}), activation + cotangent slots "
-                f"{_bytes(self.activation_slots + self.cotangent_slots)}, gradient "
-                f"accumulators {_bytes(self.accumulators)}, one tick {_bytes(self.tick)}"
-                + (f", gathered weights' second copy {_bytes(self.weight_copies)}"
+                f"{b(self.layer_stored)}, {self.how}), activation + cotangent slots "
+                f"{b(self.activation_slots + self.cotangent_slots)}, gradient "
+                f"accumulators {b(self.accumulators)}, one tick {b(self.tick)}"
+                + (f", gathered weights' second copy {b(self.weight_copies)}"
                    if self.weight_copies else ""))
 
 
@@ -192,7 +193,7 @@ def record(program: Any, stored: Sequence[Any], specs: Sequence[Spec | None],
     k = max(program.split.slots, 1)
 
     def leaves(avals: Sequence[Any], specs: Sequence[Spec | None]) -> tuple[float, ...]:
-        return tuple(_local(a, sp if sp is not None else _rows_spec(program, a), mesh)
+        return tuple(local_bytes(a, sp if sp is not None else _rows_spec(program, a), mesh)
                      for a, sp in zip(avals, specs, strict=True))
 
     s, f = leaves(stored, specs), leaves(full, full_specs)
@@ -223,7 +224,7 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
     alone): with the probe's residuals once the loop is traced, else the graph's estimate."""
     mesh = MeshShape.of(program.mesh)
     split, config = program.split, program.config
-    carried = sum(_local(program.graph.values[v], program.spec(v), mesh)
+    carried = sum(local_bytes(program.graph.values[v], program.spec(v), mesh)
                   for v in program.carried_in)
     recompute = config.residuals == "recompute"
     traced = _TRACED.get(program.id)
@@ -253,7 +254,7 @@ def _with_arrays(program: Any, m: LoopMemory, mesh: MeshShape, stored: tuple[flo
     the copy, each weight's gradient, the rest's (:func:`_tick_grads`) and the residual
     leaves it reads) and level 3's weight copies.  The tick is its arrays' sum (the weights
     as the layer's values: within bytes of ``split.layer_bytes``)."""
-    carried = [_local(program.graph.values[v], program.spec(v), mesh)
+    carried = [local_bytes(program.graph.values[v], program.spec(v), mesh)
                for v in program.carried_in]
     k = m.slots
     recompute = program.config.residuals == "recompute"
@@ -265,8 +266,8 @@ def _with_arrays(program: Any, m: LoopMemory, mesh: MeshShape, stored: tuple[flo
     # loop reads (the step's gathered value and :func:`_weight_copies`), not a copy per tick
     gathered = ({program.rep_layer.weights[program.stacked[j]] for j, _, _ in program.scatters}
                 if program.params_split else set())
-    copy = [k * _local(w, program.spec(w.id), mesh) for w in values if w.id not in gathered]
-    grads = [k * _local(w, program.spec(w.id), mesh) for w in values
+    copy = [k * local_bytes(w, program.spec(w.id), mesh) for w in values if w.id not in gathered]
+    grads = [k * local_bytes(w, program.spec(w.id), mesh) for w in values
              if jnp.issubdtype(w.dtype, jnp.inexact)]
     forward = copy + ([] if recompute else list(full))
     backward = copy + grads + _tick_grads(program, mesh) + list(full if recompute else stored)
@@ -298,7 +299,7 @@ def _weight_copy_arrays(program: Any, mesh: MeshShape) -> list[float]:
         return []
     weights = [program.graph.values[program.rep_layer.weights[program.stacked[j]]]
                for j, _, _ in program.scatters]
-    return [program.split.slots * _local(w, program.spec(w.id), mesh) for w in weights]
+    return [program.split.slots * local_bytes(w, program.spec(w.id), mesh) for w in weights]
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:
@@ -332,10 +333,10 @@ def _extra_grad_arrays(program: Any, mesh: MeshShape) -> list[float]:
         # so the carry is a buffer of its own: one more
         w = program.graph.values[program.rep_layer.weights[program.stacked[j]]]
         copies = (3 if program.params_split else 2) if j in scattered else 1
-        total += [v * k * _local(w, strip(program.spec(w.id), groups.axes), mesh)] * copies
+        total += [v * k * local_bytes(w, strip(program.spec(w.id), groups.axes), mesh)] * copies
     for i in ends.grouped if ends.on else ():
         vid = program.rest[i]
-        total.append(_local(program.graph.values[vid], strip(program.spec(vid), groups.axes),
+        total.append(local_bytes(program.graph.values[vid], strip(program.spec(vid), groups.axes),
                             mesh))
     return total
 
@@ -346,7 +347,7 @@ def _rest_grad_arrays(program: Any, mesh: MeshShape) -> list[float]:
     results."""
     groups, ends = program.groups, program.ends
     only = set(ends.only) if groups.on and ends.on else set()
-    return [_local(program.graph.values[vid], program.spec(vid), mesh)
+    return [local_bytes(program.graph.values[vid], program.spec(vid), mesh)
             for i, vid in enumerate(program.rest) if i not in only
             and jnp.issubdtype(program.graph.values[vid].dtype, jnp.inexact)]
 
@@ -365,7 +366,7 @@ def _tick_grads(program: Any, mesh: MeshShape) -> list[float]:
         v = program.graph.values[vid]
         if jnp.issubdtype(v.dtype, jnp.inexact):
             spec = strip(program.spec(vid), groups.axes) if i in grouped else program.spec(vid)
-            out.append(_local(v, spec, mesh))
+            out.append(local_bytes(v, spec, mesh))
     return out
 
 
@@ -387,20 +388,3 @@ def _rows_spec(program: Any, aval: Any) -> Spec | None:
     else:
         return None
     return Spec(((),) * lead + (axes,) + ((),) * (len(shape) - lead - 1))
-
-
-def _local(aval: Any, spec: Spec | None, mesh: MeshShape) -> float:
-    """Bytes per device of an array of ``aval``'s shape and dtype laid out ``spec``
-    (``None``, or a spec of another rank: whole)."""
-    shape = tuple(aval.shape)
-    size = jnp.dtype(aval.dtype).itemsize
-    if spec is not None and spec.ndim == len(shape):
-        shape = spec.shard_shape(shape, mesh)
-    return float(math.prod(shape) * size)
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"

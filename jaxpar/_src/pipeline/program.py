@@ -40,6 +40,7 @@ from jaxpar._src.pipeline.split import (
     choose_split,
     marked_split,
 )
+from jaxpar._src.pipeline.view import LayerView
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
 
@@ -47,7 +48,7 @@ _ids = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PipelineProgram:
+class PipelineProgram(LayerView):
     """Everything the loop needs for one pipelined loss; see the module docstring."""
 
     id: int
@@ -88,15 +89,6 @@ class PipelineProgram:
     # ZeRO level 3: the scattered stacked weights are split as their moments too (the step
     # gathers them before the loop), so their updated values, the step's outputs, are slices
     params_split: bool = False
-
-    @property
-    def rep_layer(self) -> Layer:
-        return self.layers.layers[self.rep]
-
-    def spec(self, vid: int) -> Spec:
-        """The micro-batch plan's layout of value ``vid``."""
-        v = self.graph.values[vid]
-        return self.sub_plan.decisions[v.producer].out_specs[v.index]
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
