@@ -32,6 +32,7 @@ from jaxpar._src.layout import Layout
 from jaxpar._src.mesh import make_mesh
 from jaxpar._src.spec import MeshShape
 from jaxpar._src.strategy import is_slice_counts, is_strategy_leaf
+from jaxpar._src.trace import abstract_value
 from jaxpar._src.tracing_state import discovering
 
 
@@ -126,6 +127,4 @@ def _mesh_key(mesh: Mesh) -> tuple:
 def _abstract(x: Any) -> Any:
     if isinstance(x, (jax.ShapeDtypeStruct, PartitionSpec)):
         return x
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-    return x
+    return abstract_value(x)  # as jax.jit sees it (a float64 jax.Array stays float64)

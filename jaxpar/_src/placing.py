@@ -33,8 +33,12 @@ def placed_as(args: tuple, static: Sequence[int], in_shardings: tuple[Any, ...],
 
 def abstract_as(x: Any, sharding: Any) -> Any:
     """An array as its shape, dtype and the plan's layout (what ``lower`` needs: moving the
-    data there would compile and run resharding programs for nothing)."""
+    data there would compile and run resharding programs for nothing).  A 64-bit array outside
+    ``jax_enable_x64`` is placed instead: its struct would canonicalize to 32 bits, while the
+    program was traced, as ``jax.jit`` traces it, for the array's own dtype."""
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        if x.dtype != jax.dtypes.canonicalize_dtype(x.dtype):
+            return place_leaf(x, sharding)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     return x
 

@@ -104,9 +104,31 @@ def dotted(path: Sequence[Any]) -> str:
 def _abstract(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-    return x
+    return abstract_value(x)
+
+
+def abstract_value(x: Any) -> Any:
+    """The abstract value ``jax.jit`` traces an array argument ``x`` with (else ``x``).
+
+    A ``ShapeDtypeStruct`` canonicalizes its dtype, but ``jax.jit`` traces a ``jax.Array`` with
+    its own: a float64 array made under ``jax.enable_x64(True)`` and passed outside it is a
+    float64 input (the program's first promotion converts it to float32, with JAX's warning).
+    Traced as float32, the program would be handed float64 data.  NumPy arrays and Python
+    numbers are canonicalized by ``jax.jit`` too, so their struct is theirs.
+
+    >>> import jax.numpy as jnp
+    >>> with jax.enable_x64(True):
+    ...     x = jnp.zeros(2, jnp.float64)
+    >>> traced = jax.make_jaxpr(lambda v: v)  # outside x64, as jax.jit(lambda v: v)(x) traces
+    >>> traced(abstract_value(x)).in_avals, traced(jax.ShapeDtypeStruct((2,), "float64")).in_avals
+    ([ShapedArray(float64[2])], [ShapedArray(float32[2])])
+    """
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return x
+    weak = getattr(x, "weak_type", False)
+    if isinstance(x, jax.Array) and x.dtype != jax.dtypes.canonicalize_dtype(x.dtype):
+        return jax.core.ShapedArray(x.shape, x.dtype, weak_type=weak)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
 
 
 class _Builder:
