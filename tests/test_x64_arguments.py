@@ -112,3 +112,27 @@ def test_one_callable_both_modes_and_keys_differ():
     assert inside != outside
     got, _ = _quiet(pf, x)  # the float32 program again, from the cache
     assert got.dtype == jnp.float32
+
+
+def _layers(w, x):
+    for i in range(4):
+        x = jnp.tanh(x @ w[i])
+    return jnp.mean(x ** 2)
+
+
+def test_a_pipeline_refuses_a_64_bit_array_outside_x64_naming_it():
+    """The pipeline's loop makes its buffers in the canonical (32-bit) dtypes: a float64 array
+    outside x64 made lax.cond refuse float64 against float32; now a PlanError says which
+    argument and what to do."""
+    with jax.enable_x64(True):
+        w = jnp.asarray(np.linspace(-0.5, 0.5, 4 * 8 * 8).reshape(4, 8, 8))
+    x = jnp.ones((16, 8))
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(_layers)),
+                                  micro_batches=4, batch_argnums=1)
+        with pytest.raises(jaxpar.PlanError,
+                           match=r"PipelineCell\(_layers\): argument 0 is float64 outside "
+                                 r"jax_enable_x64.*x.astype\(float32\)"):
+            step(w, x)

@@ -95,6 +95,7 @@ class PipelineCell:
         found = self._resolve(where)
         if found is None:
             return self.fn(*[a.unstack() if isinstance(a, StackedParams) else a for a in args])
+        _check_canonical_dtypes(args, where)
         program = self._program(args, found, where)
         leaves: list[Any] = []
         given: dict[int, Any] = {}  # stacked position -> the stacked array the caller holds
@@ -217,6 +218,26 @@ class PipelineCell:
                             f"'pp' axis of that size: pass mesh= to parallelize or set it in "
                             f"the context.")
         return config, mesh, mode, search_mode, resolve_hardware(hardware, mesh), tr
+
+
+def _check_canonical_dtypes(args: Sequence[Any], where: str) -> None:
+    """Refuses a 64-bit array outside ``jax_enable_x64`` (one made under ``jax.enable_x64``):
+    ``jax.jit`` traces it as it is, but the pipeline's loop makes its buffers and branches in
+    the dtypes JAX canonicalizes to (32 bits), which cannot meet it (``lax.cond`` refused
+    float64 against float32)."""
+    for i, a in enumerate(args):
+        if isinstance(a, StackedParams):
+            continue
+        for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+            dtype = getattr(x, "dtype", None)
+            if dtype is None or dtype == jax.dtypes.canonicalize_dtype(dtype):
+                continue
+            raise PlanError(
+                f"{where}: argument {i}{jax.tree_util.keystr(path)} is {dtype} outside "
+                f"jax_enable_x64 (an array made under jax.enable_x64(True)); the pipeline "
+                f"runs in the dtypes JAX canonicalizes to and cannot take it. Convert it "
+                f"first (x.astype({jax.dtypes.canonicalize_dtype(dtype).name})), or call "
+                f"the step under jax.enable_x64(True).")
 
 
 def _pipelined(program: PipelineProgram, fill: float) -> Callable:
