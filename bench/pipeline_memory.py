@@ -26,9 +26,10 @@ traced prediction; "early before": the check as it was before those terms
 without the row groups' and ZeRO's accumulators, level 3's copies and the batch).  The check
 leaves out the optimizer state (the step's, made after ``cell.stack``): "+ state" adds the Adam
 moments per device as the step's plan lays them out; "probed + state": the same with the
-residual leaves the loop's probe found instead of the graph's estimate (the check's largest
-error).  Microseconds: CPU time of one check
-(``time.process_time``, median of 7 rounds of 20, before and after alternating).
+residual leaves the loop's probe found instead of the check's own estimate (one layer's
+``jax.vjp``, ``residuals.layer_stored``; every operator result of the layer before).
+Microseconds: CPU time of one check (``time.process_time``, median of 7 rounds of 20, before
+and after alternating).
 
     python bench/pipeline_memory.py [--quick]      (bench/run.py runs it too)
 """
@@ -235,7 +236,7 @@ def table(rows: list[dict]) -> list[str]:
               "(`pipeline/early.py`); before: the check at d8cabe7 (`memory.split_bytes`); "
               "+ state: early + the Adam moments as planned (the check leaves them out); "
               "traced: `plan.memory_bytes`; probed: early with the probe's residual leaves instead "
-              "of the graph's estimate. us: CPU microseconds of one check.", "",
+              "of the check's own. us: CPU microseconds of one check.", "",
               "| S | M | schedule | residuals | ZeRO | groups | compiled | traced | "
               "early before | early | before/compiled | early/compiled | "
               "early+state/compiled | early/traced | probed+state/compiled | us before | us |",

@@ -16,17 +16,22 @@ splits the weights, and :func:`early_memory` counts, per device:
 * **gradients**: the loop's results, the stacked ones reduce-scattered over the row axes where
   ZeRO splits them (``1/G``), the rest's as their accumulators are laid out;
 * **batch**: the micro-batched batch;
-* **loop**: ``memory.loop_memory`` of the draft, with a layer's residuals estimated from the
-  graph (every operator result of the layer): the slots, the row groups' ``[v, G, k, ...]``
-  accumulators and the reduce-scatter's operand, the rest's per-group gradients, one tick
+* **loop**: ``memory.loop_memory`` of the draft, with a layer's stored residuals estimated
+  from the leaves ``jax.vjp`` of one layer keeps (``residuals.layer_stored``): the slots,
+  the row groups' ``[v, G, k, ...]`` accumulators and the reduce-scatter's operand, the
+  rest's per-group gradients, one tick
   (with the zeros its weight gradients start from), and level 3's second copy of the gathered
   weights.
 
 Left out: the optimizer state (made by the step from the stacked weights after
 ``cell.stack``, which builds the program: the cell never sees it; Adam's moments are two copies
 of the weights, split over the row axes with ZeRO) and the step's own temporaries; the
-step's plan counts them (``plan.memory_bytes``).  The stored residuals from the graph are the
-estimate's largest error (26.1 KiB per layer against the probe's 13.9 on the bench's GPT).
+step's plan counts them (``plan.memory_bytes``).  A layer's stored residuals, once every
+operator result of the layer (26.1 KiB against the probe's 13.9 on the bench's GPT), are
+now the leaves ``jax.vjp`` of one layer keeps (13.4 KiB; equal to the probe's on the tests'
+toy and MLP): the optimizer state is the error left (Adam's moments: the check is 0.80-0.91
+of the compiled total on the bench's storing rows with row groups, 0.95-1.03 with them added;
+README).
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
