@@ -31,17 +31,25 @@ chromium:  ## Install Chromium (apt, as root) when it is missing; the report tes
 	  { echo "installing chromium (report tests)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# The suite compiles many programs and runs each a step or two: XLA:CPU's LLVM back end
+# at -O0 (tests/util.py FAST_COMPILE_FLAGS; the processes the tests start get it too). The HLO
+# passes, the SPMD partitioner, buffer assignment and so the collectives, layouts and
+# memory_analysis() the tests check are -O2's (checked on a GPT step: the same optimised HLO,
+# memory and loss); only the machine code is less optimised, and every comparison in a test is
+# between programs compiled alike. `make demo`, `make bench` and users keep XLA's default.
+TEST_XLA_FLAGS = $(XLA_FLAGS) --xla_backend_optimization_level=0
+
 # The notebooks run in the suite's pytest session, collected first: the two workers share them
 # out with the tests from the start instead of running them one by one after the suite's tail.
 test: $(STAMP) chromium  ## Run the whole suite: lint, types, unit tests, doctests, examples and notebooks.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(MAKE) --no-print-directory notebook-files
-	JAXPAR_REQUIRE_BROWSER=1 $(PY) -m pytest -n 2 --timeout=900 --durations=25 \
+	JAXPAR_REQUIRE_BROWSER=1 XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest -n 2 --timeout=900 --durations=25 \
 	  $(NBMAKE) --doctest-modules $(NOTEBOOKS) jaxpar tests
 
 test-fast: $(STAMP)  ## The suite without the slow tests.
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest -n 2 -m "not slow" tests
 
 lint: $(STAMP)  ## Static checks: ruff, and mypy for types (configured in pyproject.toml).
 	$(VENV)/bin/ruff check .

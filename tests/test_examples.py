@@ -8,6 +8,8 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.util import FAST_COMPILE_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = "gpt_semi_auto.py"  # run once, by the demo's test below, which checks what it prints
 EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
@@ -15,8 +17,8 @@ EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
 
 
 def run_example(script, *args):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

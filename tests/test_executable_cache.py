@@ -276,17 +276,25 @@ def test_the_executable_is_written_in_the_background_and_a_second_process_loads_
         jax.config.update("jax_num_cpu_devices", 8)
         import numpy as np
         import jaxpar
+        from jaxpar._src import prefetch
         from tests.test_executable_cache import _args, _auto, _mlp
+        taken, take = [], prefetch.Prefetch.take
+        def counted(*a):
+            got = take(*a)
+            taken.append(got is not None)
+            return got
+        prefetch.Prefetch.take = counted
         jaxpar.config.update("plan_cache_dir", {str(cache_dir)!r})
         again, args = _auto(jaxpar.make_mesh((2, 4), ("dp", "mp"))), _args()
         err = float(np.max(np.abs(np.asarray(again(*args)) - np.asarray(_mlp(*args)))))
-        print(repr((err, again.plan(*args).notes)))
+        print(repr((err, again.plan(*args).notes, taken)))
     """)
     out = subprocess.run([sys.executable, "-c", again], check=True, env=env, timeout=300,
                          capture_output=True, text=True).stdout
-    err, notes = eval(out.strip().splitlines()[-1])  # noqa: S307 - our own script's repr
+    err, notes, taken = eval(out.strip().splitlines()[-1])  # noqa: S307 - our own repr
     assert err < 1e-5, err
     assert notes and LOADED_NOTE in notes[-1], notes
+    assert taken[:1] == [True], taken  # read ahead of the trace: the pre-key is the same
 
 
 def test_a_kept_executable_is_not_also_written_to_jax_compilation_cache(cache_dir, tmp_path):
@@ -367,3 +375,164 @@ def test_prune_keeps_the_most_recent_and_removes_a_killed_writers_old_temporary(
         [f"plan.{i}.xla" for i in range(4)] + [".plan.5.xla.abc.tmp"])
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["plan.4.xla", "plan.5.xla", "other.0.xla", ".plan.6.xla.def.tmp"])
+
+
+# -- read ahead of the trace (prefetch.py) ----------------------------------------------------
+@pytest.fixture
+def taken(monkeypatch):
+    """What each read-ahead executable became: True (used), False (dropped after the trace)."""
+    from jaxpar._src import prefetch
+
+    seen = []
+    original = prefetch.Prefetch.take
+
+    def take(self, *args, **kwargs):
+        got = original(self, *args, **kwargs)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(prefetch.Prefetch, "take", take)
+    return seen
+
+
+def _scaled(scale):
+    def f(x, w1, w2):  # one code object, one qualified name: one pre-key for every scale
+        return jnp.tanh(x @ w1) @ w2 * scale
+    return f
+
+
+def test_the_executable_read_ahead_is_used_only_on_its_full_key(cache_dir, lowerings, taken,
+                                                                 monkeypatch):
+    """The executable the index names is read while the program is traced and used only when
+    the full keys are its own: another program with the same pre-key (another closed-over
+    scale) or another executable key (LIBTPU_INIT_ARGS) runs its own, right, numbers."""
+    from jaxpar._src.prefetch import pre_key
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+
+    def make(scale):
+        return jaxpar.parallelize(_scaled(scale), mesh=mesh, parallel_mode="auto_parallel",
+                                  batch_argnums=0)
+
+    two, three = make(2.0), make(3.0)
+    pre = [pre_key(p._info.fn, p.compiled_entry(*args).program and
+                   _signature(p, args), p.compiled_entry(*args).settings, p._info)
+           for p in (two, three)]
+    assert pre[0] == pre[1]
+    want = {s: np.asarray(_scaled(s)(*args)) for s in (2.0, 3.0)}
+    np.testing.assert_allclose(np.asarray(two(*args)), want[2.0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(three(*args)), want[3.0], rtol=1e-5, atol=1e-5)
+    assert len(_executables(cache_dir)) == 2 and taken == []  # each index written anew
+    # the index names 3.0's executable (the last one): read ahead for 2.0, and dropped
+    again = make(2.0)
+    lowerings.update(evaluator=0, compile=0)
+    np.testing.assert_allclose(np.asarray(again(*args)), want[2.0], rtol=1e-5, atol=1e-5)
+    assert taken == [False] and LOADED_NOTE in again.plan(*args).notes[-1]
+    assert lowerings == {"evaluator": 0, "compile": 0}  # 2.0's own, loaded after the trace
+    # now the index names 2.0's: read ahead and used
+    again = make(2.0)
+    np.testing.assert_allclose(np.asarray(again(*args)), want[2.0], rtol=1e-5, atol=1e-5)
+    assert taken == [False, True] and LOADED_NOTE in again.plan(*args).notes[-1]
+    # another executable key, the same pre-key and plan: compiled, not the one read ahead
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--jaxpar_test_other")
+    other = make(2.0)
+    np.testing.assert_allclose(np.asarray(other(*args)), want[2.0], rtol=1e-5, atol=1e-5)
+    assert taken == [False, True, False] and lowerings["compile"] == 1
+    assert LOADED_NOTE not in other.plan(*args).notes[-1]
+
+
+def _signature(p, args):
+    from jaxpar._src.cache_key import call_key
+
+    return call_key(args, p._info.static_argnums, api="f")
+
+
+def test_an_executable_file_with_another_key_is_not_used_when_read_ahead(cache_dir, taken):
+    """The file the index names, at the full key's name, but holding another program's
+    executable (its stored key another): dropped, and the load after it warns and compiles."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+
+    def make(scale):
+        return jaxpar.parallelize(_scaled(scale), mesh=mesh, parallel_mode="auto_parallel",
+                                  batch_argnums=0)
+
+    make(3.0)(*args)
+    (three,) = _executables(cache_dir)
+    make(2.0)(*args)
+    (two,) = set(_executables(cache_dir)) - {three}
+    (cache_dir / two).write_bytes((cache_dir / three).read_bytes())  # 3.0's, named 2.0's
+    again = make(2.0)
+    with pytest.warns(jaxpar.JaxparWarning, match="its key is not the key its name"):
+        got = again(*args)
+    assert taken == [False] and LOADED_NOTE not in again.plan(*args).notes[-1]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_scaled(2.0)(*args)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_read_ahead_under_thread_local_jax_configuration(cache_dir, taken):
+    """jax.enable_x64 and jax.transfer_guard hold for the calling thread only: the thread that
+    reads ahead reads none of JAX's configuration (XLA deserializes; the rest of the file is
+    read in the calling thread), so a float64 program stored and loaded under enable_x64 runs
+    in float64; a transfer guard of the calling thread is part of the executable's full key
+    (a jax.config value): the executable read ahead without it is not used under it."""
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def make():
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8, 1), (8, 1)))
+
+    with jax.enable_x64(True):
+        w, g = jnp.ones((16, 4), jnp.float64), jnp.full((16, 4), 0.5, jnp.float64)
+        want = np.asarray(_update(w, g))
+        assert want.dtype == np.float64
+        make()(w, g)
+        flush()  # the executable written (in the background), as the next process finds it
+        again = make()
+        entry = again.compiled_entry(w, g)  # traced, plan and executable loaded
+        assert taken == [True] and entry.loaded is not None
+        got = again(w, g)
+        assert got.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(got), want)
+        with jax.transfer_guard("disallow"):
+            guarded = make().compiled_entry(w, g)
+        assert taken == [True, False] and guarded.loaded is None  # another key: compiled
+    w, g = jnp.ones((16, 4)), jnp.full((16, 4), 0.5)  # without x64: float32's executable
+    without = make()
+    np.testing.assert_array_equal(np.asarray(without(w, g)), np.asarray(_update(w, g)))
+    assert not any(LOADED_NOTE in n for n in without.plan(w, g).notes)
+    assert taken == [True, False]  # another pre-key (the trace context): nothing read ahead
+
+
+def test_a_corrupt_index_warns_and_is_rewritten(cache_dir, taken):
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    want = np.asarray(_auto(mesh)(*args))
+    (index,) = [p for p in os.listdir(cache_dir) if p.endswith(".last")]
+    (cache_dir / index).write_text('{"format": "jaxpar.prefetch/1", "executable": "../x.xla"}')
+    again = _auto(mesh)
+    with pytest.warns(jaxpar.JaxparWarning, match="ignoring the plan cache's index"):
+        got = again(*args)
+    assert taken == [] and LOADED_NOTE in again.plan(*args).notes[-1]  # loaded after the trace
+    np.testing.assert_array_equal(np.asarray(got), want)
+    (cache_dir / index).write_text("{not json")
+    with pytest.warns(jaxpar.JaxparWarning, match="ignoring the plan cache's index"):
+        _auto(mesh)(*args)
+    _auto(mesh)(*args)  # rewritten: read ahead and used
+    assert taken == [True]
+
+
+def test_nothing_is_read_ahead_for_more_than_one_process(cache_dir, monkeypatch):
+    """Under jax.distributed (storable() false) executables are neither kept nor loaded: none
+    is read ahead either, though the index names one."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    want = np.asarray(_auto(mesh)(*args))
+    flush()
+    started = []
+    monkeypatch.setattr(api, "storable", lambda: False)
+    monkeypatch.setattr(api, "Prefetch", lambda *a: started.append(a))
+    again = _auto(mesh)
+    np.testing.assert_array_equal(np.asarray(again(*args)), want)
+    assert started == [] and LOADED_NOTE not in again.plan(*args).notes[-1]

@@ -17,6 +17,7 @@ from jaxpar._src.errors import ContextError
 from jaxpar._src.launch import launcher
 from jaxpar._src.launch.comm import cluster_env
 from jaxpar._src.launch.launcher import LaunchConfig, worker_env
+from tests.util import FAST_COMPILE_FLAGS
 
 MP = Path(__file__).parent / "mp"
 ROOT = Path(__file__).parent.parent
@@ -27,7 +28,7 @@ def _env(**extra: str) -> dict[str, str]:
     """This environment without the test session's own device count or cluster."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # no device count: the launcher gives each its own
     env["PYTHONPATH"] = str(ROOT)
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)

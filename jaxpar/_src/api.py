@@ -62,6 +62,7 @@ from jaxpar._src.plan_cache import (
 )
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
+from jaxpar._src.prefetch import Prefetch, pre_key, read_index, write_index
 from jaxpar._src.program_memory import with_lowered_memory
 from jaxpar._src.recompute import POLICIES, choosing
 from jaxpar._src.recompute_choice import (
@@ -306,6 +307,32 @@ class Parallelized:
         if settings.ckpt_save:  # before planning, not after it
             check_save_path(settings.ckpt_save, f"{info.api}: strategy_ckpt_save_file")
         names = info.arg_names(len(args))
+        cache_dir = config.plan_cache_dir
+        # the executable last used for this function and call, read while it is traced
+        ahead, prefetch = self._prefetch(cache_dir, settings, signature)
+        try:
+            return self._build_traced(args, settings, signature, names, t0, ahead, prefetch)
+        finally:
+            if prefetch is not None:
+                prefetch.drop()
+
+    def _prefetch(self, cache_dir: str | None, settings: Settings, signature: tuple
+                  ) -> tuple[str | None, Prefetch | None]:
+        """The call's pre-key and the executable its index names, being read ahead
+        (``prefetch.py``); ``(None, None)`` where no executable would be loaded."""
+        info = self._info
+        if not cache_dir or settings.ckpt_load or settings.mode is ParallelMode.STAND_ALONE \
+                or not storable():
+            return None, None
+        ahead = pre_key(info.fn, signature, settings, info)
+        name = read_index(cache_dir, ahead, api=info.api)
+        return ahead, None if name is None else Prefetch(cache_dir, name,
+                                                         list(settings.mesh.devices.flat))
+
+    def _build_traced(self, args: tuple, settings: Settings, signature: tuple,
+                      names: list[str], t0: float, ahead: str | None,
+                      prefetch: Prefetch | None) -> Compiled:
+        info = self._info
         mesh = settings.mesh
         program, batch, layers = self._trace(args, settings, names, None)
         t1 = time.perf_counter()
@@ -348,10 +375,12 @@ class Parallelized:
             kept = rung.executable  # where XLA compiled it in this process
             if cache_dir and key is not None and text_sha is not None and storable() and \
                     kept is not None:  # kept beside the entry the choice is stored in
-                store_in_background(cache_dir, executable_key(
+                exec_key = executable_key(
                     key.digest, text_sha, signature=signature,
                     donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
-                    platform=mesh.devices.flat[0].platform), kept, api=info.api)
+                    platform=mesh.devices.flat[0].platform)
+                store_in_background(cache_dir, exec_key, kept, api=info.api)
+                self._index(cache_dir, ahead, prefetch, exec_key)
         else:
             in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                          for n in program.graph.inputs]
@@ -366,9 +395,15 @@ class Parallelized:
                     donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
                     platform=mesh.devices.flat[0].platform)
                 tree = dynamic_tree(args, info.static_argnums)
-                compiled = load_executable(
-                    cache_dir, exec_key, call_in_tree(args, info.static_argnums),
-                    program.out_tree, list(mesh.devices.flat), api=info.api) if hit else None
+                in_tree, devices = call_in_tree(args, info.static_argnums), list(mesh.devices.flat)
+                compiled = None
+                if hit and prefetch is not None:  # only if its key is exec_key, exactly
+                    compiled = prefetch.take(cache_dir, exec_key, in_tree, program.out_tree,
+                                             devices)
+                if hit and compiled is None:
+                    compiled = load_executable(cache_dir, exec_key, in_tree, program.out_tree,
+                                               devices, api=info.api)
+                self._index(cache_dir, ahead, prefetch, exec_key)
                 if compiled is None:
                     pending.append((cache_dir, exec_key))
                 else:
@@ -380,6 +415,13 @@ class Parallelized:
         return Compiled(program, plan, settings, build, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1, "executable": t3 - t2},
                         loaded, pending)
+
+    def _index(self, cache_dir: str, ahead: str | None, prefetch: Prefetch | None,
+               exec_key: ExecutableKey) -> None:
+        """Names ``exec_key``'s executable in the index of pre-key ``ahead`` for the next
+        process (``prefetch.py``), unless it does already."""
+        if ahead is not None and (prefetch is None or prefetch.path != exec_key.path(cache_dir)):
+            write_index(cache_dir, ahead, exec_key, api=self._info.api)
 
     def _trace(self, args: tuple, settings: Settings, names: list[str],
                policies: tuple[str, ...] | None

@@ -190,12 +190,21 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         return set(d.out_specs[0].axes) <= split
 
     def one_heavy_reader(vid: int) -> bool:
-        return sum(1 for u in graph.consumers[vid] if u.consumer not in inner and
+        return sum(1 for u in graph.consumers[vid] if not inner(u.consumer) and
                    graph.nodes[u.consumer].kind is NodeKind.OP and
                    graph.nodes[u.consumer].name not in _LIGHT) <= 1
 
+    kept: dict[int, bool] = {}
+
+    def inner(nid: int) -> bool:
+        """:func:`keeps_layout` of node ``nid``, worked out when first asked (most nodes
+        never are: their results are read in another layout)."""
+        found = kept.get(nid)
+        if found is None:
+            found = kept[nid] = keeps_layout(nodes[nid])
+        return found
+
     scattered = {nid for nid, _ in plan.scatters}  # ZeRO's reduce-scatters: written by hand
-    inner = {n.id for n in nodes if keeps_layout(n)}
     loose = set()
     for node in nodes:
         if node.kind is not NodeKind.OP or node.remat is not None:
@@ -204,7 +213,7 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             kinds = readers_as_made(vid, spec)
             if kinds is None:
                 continue  # read in another layout, in a checkpoint body or by a loop
-            if node.id in inner and one_heavy_reader(vid) or kinds <= _RESULTS or \
+            if inner(node.id) and one_heavy_reader(vid) or kinds <= _RESULTS or \
                     follows_operands(node):
                 loose.add(vid)
     return frozenset(loose)

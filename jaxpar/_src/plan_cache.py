@@ -199,7 +199,7 @@ def store_cached(directory: str, key: CacheKey, plan: ShardingPlan, *, api: str,
     entry = {"format": FORMAT, "key": key.description, "plan": plan_to_dict(plan)}
     if choice is not None:
         entry["choice"] = choice
-    text = json.dumps(entry)
+    text = json.dumps(entry, check_circular=False)  # plain data made here: the same text, faster
     if not write_atomically(key.path(directory), text.encode("utf-8"), what="plans", api=api):
         return None
     return _sha(text)
@@ -249,15 +249,17 @@ def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:
             text = types[(shape, dtype)] = f"{shape}{dtype}"
         return text
 
+    lines = []  # hashed at once: one update per node costs more than the text
     for node in graph.nodes:
         ins = ",".join(str(o) if isinstance(o, int) else
                        typed(o.shape, o.dtype) + _scalar(o) for o in node.inputs)
         outs = ",".join(typed(values[v].shape, values[v].dtype) for v in node.outputs)
         params = _params(node.eqn.params, control=node.structure is not None) \
             if node.eqn is not None else ""
-        h.update(f"{node.kind}|{node.name}|{ins}|{outs}|{node.weight}|{node.region}|"
-                 f"{node.label}|{node.remat}|{node.crossing}|{node.structure}|{node.source}|"
-                 f"{params}\n".encode())
+        lines.append(f"{node.kind}|{node.name}|{ins}|{outs}|{node.weight}|{node.region}|"
+                     f"{node.label}|{node.remat}|{node.crossing}|{node.structure}|"
+                     f"{node.source}|{params}\n")
+    h.update("".join(lines).encode())
     return h.hexdigest()
 
 
@@ -281,11 +283,17 @@ def _params(params: Mapping[str, Any], *, control: bool) -> str:
         else:
             text = repr(v)
         parts.append(f"{name}={text}")
-    return _ADDRESS.sub("", ";".join(parts))
+    return _unaddressed(";".join(parts))
 
 
 def _text(x: Any) -> str:
-    return _ADDRESS.sub("", repr(x))
+    return _unaddressed(repr(x))
+
+
+def _unaddressed(text: str) -> str:
+    """``text`` without object addresses (the substring test first: the program's ten
+    thousand equations have almost none)."""
+    return _ADDRESS.sub("", text) if " at 0x" in text else text
 
 
 def _sha(text: str) -> str:

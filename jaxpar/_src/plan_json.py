@@ -18,7 +18,14 @@ _OPTIONAL_SCALARS = ("compute_s", "step_s")  # absent from plans saved before th
 
 
 def _coll_to(c: PredictedCollective) -> dict:
-    return dataclasses.asdict(c) | {"axes": list(c.axes)}
+    # dataclasses.asdict's fields, without its deep copies (the fields are plain values; a
+    # 24-layer plan writes thousands of collectives)
+    out = {name: getattr(c, name) for name in _COLL_FIELDS}
+    out["axes"] = list(c.axes)
+    return out
+
+
+_COLL_FIELDS = tuple(f.name for f in dataclasses.fields(PredictedCollective))
 
 
 def _coll_from(d: dict) -> PredictedCollective:

@@ -115,6 +115,7 @@ class _Builder:
         self.values: list[Value] = []
         self.remats: list[RematBlock] = []
         self._backward = False  # walking an equation JAX's transpose made (or its body)
+        self._shapes: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
     # -- construction -------------------------------------------------------------------------
     # Nodes are dicts of Node's fields until _finish renumbers them; a control node's region
@@ -124,9 +125,15 @@ class _Builder:
               out_avals: Sequence[Any], seq: list[int], **fields: Any) -> tuple[int, list[int]]:
         nid = len(self.nodes)
         outs = []
+        values, shapes = self.values, self._shapes
         for j, aval in enumerate(out_avals):
-            vid = len(self.values)
-            self.values.append(Value(vid, tuple(int(d) for d in aval.shape), aval.dtype, nid, j))
+            vid = len(values)
+            shape = aval.shape
+            # Every layer repeats a few shapes: each converted once (and then shared).
+            kept = shapes.get(shape)
+            if kept is None:
+                kept = shapes[shape] = tuple(int(d) for d in shape)
+            values.append(Value(vid, kept, aval.dtype, nid, j))
             outs.append(vid)
         fields.setdefault("backward", self._backward)
         self.nodes.append(dict(id=nid, kind=kind, name=name, inputs=list(inputs), outputs=outs,
@@ -337,13 +344,14 @@ class _Builder:
     # -- dead-code elimination and freezing ---------------------------------------------------
     def _finish(self, order: list[int], inputs: list[int], outputs: list[int]) -> OpGraph:
         live = self._live()
-        remap = {old: new for new, old in enumerate(i for i in range(len(self.nodes)) if i in live)}
+        remap = {old: new for new, old in enumerate(sorted(live))}
         vmap: dict[int, int] = {}
         values: list[Value] = []
         for v in self.values:
-            if v.producer in remap:
-                vmap[v.id] = len(values)
-                values.append(dataclasses.replace(v, id=len(values), producer=remap[v.producer]))
+            producer = remap.get(v.producer)
+            if producer is not None:  # (Value's constructor: dataclasses.replace is slower)
+                vmap[v.id] = vid = len(values)
+                values.append(Value(vid, v.shape, v.dtype, producer, v.index))
 
         def operand(o: Operand) -> Operand:
             return o if isinstance(o, Const) else vmap[o]
