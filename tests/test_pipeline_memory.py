@@ -33,11 +33,12 @@ def _toy(head: int):
 
 
 def _step(S, M, config, *, dp, adam, zero=False, head=0, hardware=None,
-          mode="semi_auto_parallel", compile=True, run=False, stack=False):
+          mode="semi_auto_parallel", compile=True, run=False, stack=False, state=False):
     """The toy's train step pipelined (Adam: weights stacked, ``cell.stack``); its plan and
     the compiled program's memory per device (``zero``: a parallel optimizer level, ``True``
     for level 1; ``run``: and the compiled HLO, the step's results and one device's;
-    ``stack``: without Adam, the loss's gradient of the stacked weights)."""
+    ``stack``: without Adam, the loss's gradient of the stacked weights; ``state``: Adam's
+    state given to ``cell.stack``, so the split's check counts it)."""
     loss, params, x = _toy(head)
     level = "level1" if zero is True else zero
     zero_options = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {
@@ -57,7 +58,7 @@ def _step(S, M, config, *, dp, adam, zero=False, head=0, hardware=None,
                 updates, o = opt.update(grads, o, p)
                 return optax.apply_updates(p, updates), o, value
 
-            sp = cell.stack(params, x)
+            sp = cell.stack(params, x, opt_state=opt.init(params) if state else None)
             args, f = (sp, opt.init(sp), x), jaxpar.parallelize(step, batch_argnums=2, **extra)
         else:
             args = (cell.stack(params, x) if stack else params, x)
@@ -184,6 +185,37 @@ def test_the_split_check_counts_zero_level3_before_the_loop_is_traced():
     assert chosen.slots < 6 and chosen.fits and chosen.memory_bytes <= budget, chosen
     assert got["total"] <= budget, (got, budget, chosen)
     assert abs(chosen.memory_bytes / got["total"] - 1) <= TOLERANCE, (chosen, got)
+
+
+def test_the_split_check_counts_the_optimizer_state():
+    """Adam's moments given to ``cell.stack(opt_state=)`` are counted by the split's memory
+    check (two copies of the weights, laid out as their gradients), where the check left them
+    out.  The toy's Adam step on ``(dp, pp) = (4, 2)`` under 1F1B splits (6, 2) with no budget;
+    under a budget halfway between the check's figures for it without and with the state, the
+    state-blind check keeps (6, 2), whose compiled peak is over that budget; with the state
+    the check takes fewer slots, and that split compiles within the budget.  A step traced with
+    the parameters not stacked counts the moments among its own arguments: the same split."""
+    hw = {"operator_latency": 0.0}
+    one = {"pipeline_scheduler": "1f1b"}
+    free, free_mem = _step(2, 4, one, dp=4, adam=True, stack=True, state=True,
+                           hardware=jaxpar.HardwareProfile(**hw))
+    blind, _ = _step(2, 4, one, dp=4, adam=True, stack=True, compile=False,
+                     hardware=jaxpar.HardwareProfile(**hw))
+    with_state, without = free.pipeline.split, blind.pipeline.split
+    assert with_state.counts == without.counts == (6, 2), (with_state, without)
+    # the moments: two copies of the stacked weights [v, k, 32, 32] (the 0-d head is unread)
+    assert with_state.memory_bytes - without.memory_bytes == 2 * 6 * 32 * 32 * 4
+    budget = (with_state.memory_bytes + without.memory_bytes) / 2
+    assert free_mem["total"] > budget, (free_mem, budget)  # the state-blind split's peak
+    tight, got = _step(2, 4, one, dp=4, adam=True, stack=True, state=True,
+                       hardware=jaxpar.HardwareProfile(memory_per_device=budget, **hw))
+    chosen = tight.pipeline.split
+    assert chosen.slots < 6 and chosen.fits and chosen.memory_bytes <= budget, chosen
+    assert got["total"] <= budget, (got, budget, chosen)
+    assert abs(chosen.memory_bytes / got["total"] - 1) <= TOLERANCE, (chosen, got)
+    traced, _ = _step(2, 4, one, dp=4, adam=True, compile=False,
+                      hardware=jaxpar.HardwareProfile(memory_per_device=budget, **hw))
+    assert traced.pipeline.split.counts == chosen.counts, traced.pipeline.split
 
 
 def test_a_loss_not_differentiated_holds_no_residual_or_cotangent_slots():

@@ -59,16 +59,19 @@ class EarlyMemory:
     gradients: float
     batch: float
     loop: float
+    state: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gathered + self.gradients + self.batch + self.loop
+        return self.weights + self.gathered + self.gradients + self.batch + self.loop + \
+            self.state
 
     def explain(self) -> str:
         return (f"{format_bytes(self.total)}: weights {format_bytes(self.weights)}, gradients "
                 f"{format_bytes(self.gradients)}, batch {format_bytes(self.batch)}, loop "
                 f"{format_bytes(self.loop)}" + (f", gathered {format_bytes(self.gathered)}"
-                                          if self.gathered else ""))
+                                          if self.gathered else "")
+                + (f", optimizer state {format_bytes(self.state)}" if self.state else ""))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,6 +98,7 @@ class Draft(LayerView):
     params_split: bool
     micro_size: int
     id: int = 0
+    state_copies: int = 0  # the optimizer state's copies of the weights (Adam: 2), if known
 
 
 def early_memory(draft: Draft) -> EarlyMemory:
@@ -128,8 +132,11 @@ def early_memory(draft: Draft) -> EarlyMemory:
             spec = Spec(tuple(dims))
         grads += local_bytes(value, spec, mesh)
     batch = M * sum(local_bytes(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
+    # the optimizer state's copies of the weights (Adam's moments) are split as the gradients
+    # the loop gives them: over the row axes where ZeRO reduce-scatters (groups.scatters)
     return EarlyMemory(weights, gathered, grads, batch,
-                       loop_memory(draft, backward=draft.schedule.has_backward).total)
+                       loop_memory(draft, backward=draft.schedule.has_backward).total,
+                       draft.state_copies * grads)
 
 
 def most_slots(need: Any, budget: float, *, layers: int, chunks: int) -> tuple[int, bool]:
@@ -178,4 +185,5 @@ def draft_of(program: Any) -> Draft:
                                          residual_bytes=split.residual_bytes),
                  program.schedule, program.rest, program.batch, program.carried_in,
                  program.stacked, program.groups, program.ends, program.scatters,
-                 program.rest_scatters, program.params_split, program.micro_size)
+                 program.rest_scatters, program.params_split, program.micro_size,
+                 state_copies=program.state_copies)

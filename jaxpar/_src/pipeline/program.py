@@ -90,6 +90,8 @@ class PipelineProgram(LayerView):
     # ZeRO level 3: the scattered stacked weights are split as their moments too (the step
     # gathers them before the loop), so their updated values, the step's outputs, are slices
     params_split: bool = False
+    # the optimizer state's copies of the weights the split's memory check counted (early.py)
+    state_copies: int = 0
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
@@ -143,10 +145,12 @@ def sub_mesh(mesh: Mesh, where: str) -> Mesh:
 
 def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int, ...],
                   config: PipelineConfig, mesh: Mesh, mode: Any, search_mode: str,
-                  hardware: HardwareProfile, where: str, optimizer: Any = None
-                  ) -> PipelineProgram:
+                  hardware: HardwareProfile, where: str, optimizer: Any = None,
+                  state_copies: int = 0) -> PipelineProgram:
     """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``; with
-    ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered."""
+    ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered;
+    the split's memory check counts ``state_copies`` copies of the weights (the optimizer
+    state's: Adam's moments) laid out as their gradients."""
     from jaxpar._src.context import ParallelMode
 
     S, M = config.stages, config.micro_batches
@@ -243,7 +247,8 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                            residual_bytes=costs["residual_bytes"]),
                 schedule, parts["rest"], batch,
                 tuple(layers.layers[0].act_in) + parts["carried_shared"], layers.stacked,
-                groups, ends, scatters, rest_scatters, splits(scatters), rows)).total
+                groups, ends, scatters, rest_scatters, splits(scatters), rows,
+                state_copies=state_copies)).total
 
         assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = most_slots(need, float(hardware.memory_per_device), layers=n,
@@ -266,7 +271,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        splits(scatters))
+        splits(scatters), state_copies)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
