@@ -44,6 +44,9 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
+from jaxpar._src.pipeline.config import AXIS
 from jaxpar._src.pipeline.groups import strip
 from jaxpar._src.pipeline.memory import loop_memory
 from jaxpar._src.pipeline.view import LayerView, format_bytes, local_bytes
@@ -99,6 +102,7 @@ class Draft(LayerView):
     micro_size: int
     id: int = 0
     state_copies: int = 0  # the optimizer state's copies of the weights (Adam: 2), if known
+    optimizer: Any = None  # jaxpar.OptimizerParallel (ZeRO): how it splits those copies
 
 
 def early_memory(draft: Draft) -> EarlyMemory:
@@ -132,11 +136,49 @@ def early_memory(draft: Draft) -> EarlyMemory:
             spec = Spec(tuple(dims))
         grads += local_bytes(value, spec, mesh)
     batch = M * sum(local_bytes(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
-    # the optimizer state's copies of the weights (Adam's moments) are split as the gradients
-    # the loop gives them: over the row axes where ZeRO reduce-scatters (groups.scatters)
     return EarlyMemory(weights, gathered, grads, batch,
                        loop_memory(draft, backward=draft.schedule.has_backward).total,
-                       draft.state_copies * grads)
+                       draft.state_copies * _state_copy(draft, mesh) if draft.state_copies
+                       else 0.0)
+
+
+def _state_copy(draft: Draft, mesh: MeshShape) -> float:
+    """One copy of the weights as the optimizer state holds it (Adam's ``mu``): split as ZeRO
+    pins it (``optimizer_parallel.optimizer_pins``: the stacked ``[S, v, k, ...]`` on its first
+    later dimension that divides, the rest on dimension 0, over the data-parallel axes), else
+    whole as the weights.  Per argument leaf the layer's and the rest's values are read from
+    (through reshapes: ``stacked._through_reshapes``), once; a value the loss computes (a
+    layer's attention mask) has none."""
+    from jaxpar._src.optimizer_parallel import _stacked_dim
+    from jaxpar._src.pipeline.stacked import _through_reshapes
+
+    opt, graph = draft.optimizer, draft.graph
+    # ZeRO's data-parallel axes are those the step splits the batch's rows over: the pipelined
+    # batch's are every mesh axis ("pp" too: a stacked weight's own is "pp" already)
+    dp = mesh.names
+    v, k, S = draft.config.repeats, draft.split.slots, draft.config.stages
+    total = 0.0
+    inputs = {graph.nodes[nid].outputs[0] for nid in graph.inputs}
+    seen: set[int] = set()  # a parameter read twice (as it is and reshaped) has one copy
+    for vid, stacked in [(draft.rep_layer.weights[p], True) for p in draft.stacked] + \
+            [(r, False) for r in draft.rest]:
+        vid = _through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
+        w = graph.values[vid]
+        if vid in seen or vid not in inputs or not _inexact(w):
+            continue  # read twice, a layer's constant (an attention mask), or an integer
+        seen.add(vid)
+        spec = draft.spec(vid)
+        if stacked:
+            one = v * k * local_bytes(w, spec, mesh)
+            if opt is not None:
+                aval = jax.ShapeDtypeStruct((S, v, k) + tuple(w.shape), w.dtype)
+                _, axes = _stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
+                one /= mesh.product(axes)
+        else:
+            axes = opt.split_axes(w.shape, w.dtype, spec, dp, mesh) if opt is not None else ()
+            one = local_bytes(w, spec, mesh) / mesh.product(axes)
+        total += one
+    return total
 
 
 def most_slots(need: Any, budget: float, *, layers: int, chunks: int) -> tuple[int, bool]:
@@ -186,4 +228,4 @@ def draft_of(program: Any) -> Draft:
                  program.schedule, program.rest, program.batch, program.carried_in,
                  program.stacked, program.groups, program.ends, program.scatters,
                  program.rest_scatters, program.params_split, program.micro_size,
-                 state_copies=program.state_copies)
+                 state_copies=program.state_copies, optimizer=program.optimizer)

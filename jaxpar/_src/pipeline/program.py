@@ -92,6 +92,7 @@ class PipelineProgram(LayerView):
     params_split: bool = False
     # the optimizer state's copies of the weights the split's memory check counted (early.py)
     state_copies: int = 0
+    optimizer: Any = None  # jaxpar.OptimizerParallel the program was built for (ZeRO)
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
@@ -248,7 +249,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                 schedule, parts["rest"], batch,
                 tuple(layers.layers[0].act_in) + parts["carried_shared"], layers.stacked,
                 groups, ends, scatters, rest_scatters, splits(scatters), rows,
-                state_copies=state_copies)).total
+                state_copies=state_copies, optimizer=optimizer)).total
 
         assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = most_slots(need, float(hardware.memory_per_device), layers=n,
@@ -271,7 +272,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        splits(scatters), state_copies)
+        splits(scatters), state_copies, optimizer)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
