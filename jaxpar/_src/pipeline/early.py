@@ -23,15 +23,15 @@ splits the weights, and :func:`early_memory` counts, per device:
   (with the zeros its weight gradients start from), and level 3's second copy of the gathered
   weights.
 
-Left out: the optimizer state (made by the step from the stacked weights after
-``cell.stack``, which builds the program: the cell never sees it; Adam's moments are two copies
-of the weights, split over the row axes with ZeRO) and the step's own temporaries; the
-step's plan counts them (``plan.memory_bytes``).  A layer's stored residuals, once every
-operator result of the layer (26.1 KiB against the probe's 13.9 on the bench's GPT), are
-now the leaves ``jax.vjp`` of one layer keeps (13.4 KiB; equal to the probe's on the tests'
-toy and MLP): the optimizer state is the error left (Adam's moments: the check is 0.80-0.91
-of the compiled total on the bench's storing rows with row groups, 0.95-1.03 with them added;
-README).
+* **state**: the optimizer state's copies of the weights (``Draft.state_copies``: Adam's
+  moments, two) where they are known (``PipelineCell.stack(opt_state=)``, or the traced step's
+  arguments), per argument leaf, laid out as ZeRO pins them (``_state_copy``); none otherwise.
+
+Left out: the step's own temporaries; the step's plan counts them (``plan.memory_bytes``).
+A layer's stored residuals, once every operator result of the layer (26.1 KiB against the
+probe's 13.9 on the bench's GPT), are the leaves ``jax.vjp`` of one layer keeps (13.4 KiB;
+equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.935-1.058
+of the compiled total on the six bench rows run (README), 0.741-1.024 without it.
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
