@@ -432,7 +432,7 @@ class Parallelized:
         trace_mesh = self._trace_mesh(settings)
         pipelining = pipeline_tracing.pipelining(pipeline_tracing.Tracing(
             settings.pipeline, settings.mesh, settings.mode, settings.search_mode,
-            settings.hardware, settings.optimizer))
+            settings.hardware, settings.optimizer, args=args))
         # A fresh function object each time: JAX's trace cache would otherwise serve an
         # earlier trace, whose recompute(policy="auto") blocks this one would not see.
         fresh = functools.wraps(info.fn)(lambda *a, **k: info.fn(*a, **k))

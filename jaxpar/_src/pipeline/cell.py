@@ -29,7 +29,7 @@ from jaxpar._src.pipeline import tracing
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig, check_micro_batches
 from jaxpar._src.pipeline.loop import make_loop
 from jaxpar._src.pipeline.program import PipelineProgram, build_program
-from jaxpar._src.pipeline.stacked import StackedParams, stack, stack_groups, stack_layout
+from jaxpar._src.pipeline.stacked import StackedParams, copies_of, stack, stack_groups, stack_layout
 from jaxpar._src.spec import Spec
 from jaxpar._src.tracing_state import tracing_mesh
 
@@ -87,6 +87,7 @@ class PipelineCell:
             None if batch_argnums is None else tuple(batch_argnums))
         self.bubble_fill = float(bubble_fill)
         self._programs: dict[Any, PipelineProgram] = {}
+        self._copies: dict[Any, int] = {}  # the optimizer state's copies stack() was given
         self._runs: dict[Any, Callable] = {}
         self.last_program: PipelineProgram | None = None  # the program of the last call
 
@@ -122,7 +123,7 @@ class PipelineCell:
             run = self._runs[program.id] = _pipelined(program, self.bubble_fill)
         return run(leaves, given)
 
-    def stack(self, *args: Any, argnum: int = 0) -> StackedParams:
+    def stack(self, *args: Any, argnum: int = 0, opt_state: Any = None) -> StackedParams:
         """Argument ``argnum`` (the parameters) with the pipeline's layer weights stacked
         ``[S, v, k, ...]`` and put split over ``"pp"`` (the layout this pipeline's loop reads),
         as a :class:`jaxpar.StackedParams` to pass, and to update, in their place.
@@ -130,6 +131,15 @@ class PipelineCell:
         ``args`` are what the cell will be called with (the batch gives the micro-batch shape
         the stage split is planned for); call it under the same pipeline context.  A weight
         stacked here never moves over ``"pp"``: each stage holds and updates its own layers.
+
+        ``opt_state``: the optimizer state the step will update the parameters with (or its
+        abstract shapes): the stage split's memory check counts its copies of the parameters
+        (Adam's moments: two), laid out as the gradients (split over the row axes where ZeRO
+        reduce-scatters them), so under ``HardwareProfile.memory_per_device`` the split fits
+        with the state; the cell's calls in the step then keep this split.  Without it the
+        check counts no optimizer state for the split stacked here (the step keeps it too);
+        a step ``jaxpar.parallelize`` traces with the parameters not stacked counts the copies
+        of them among its own arguments.
         """
         where = f"jaxpar.PipelineCell({getattr(self.fn, '__name__', 'fn')}).stack"
         found = self._resolve(where)
@@ -139,7 +149,8 @@ class PipelineCell:
                                f"auto_parallel) in the context.")
         if isinstance(args[argnum], StackedParams):
             return args[argnum]
-        program = self._program(args, found, where)
+        copies = 0 if opt_state is None else copies_of(args[argnum], opt_state)
+        program = self._program(args, found, where, copies)
         offset = len(jax.tree.leaves(list(args[:argnum])))
         groups = stack_groups(program, len(jax.tree.leaves(args[argnum])), offset)
         if not groups:
@@ -157,7 +168,11 @@ class PipelineCell:
             shardings.append(NamedSharding(program.mesh, spec))
         return stack(layout, args[argnum], shardings)
 
-    def _program(self, args: Sequence[Any], found: tuple, where: str) -> PipelineProgram:
+    def _program(self, args: Sequence[Any], found: tuple, where: str,
+                 copies: int | None = None) -> PipelineProgram:
+        """The program for ``args``; its split's memory check counts ``copies`` copies of the
+        weights of optimizer state (``stack(opt_state=)``), else those its stacking counted,
+        else those among the arguments of the step ``parallelize`` traces."""
         config, mesh, mode, search_mode, hardware, tr = found
         # outside parallelize's trace (cell.stack) the context's parallel optimizer, as the
         # step will trace it: the split's memory check counts ZeRO's terms (early.py), so the
@@ -172,14 +187,22 @@ class PipelineCell:
                                f"arguments carry the batch with batch_argnums.")
         avals = [jax.tree.map(_abstract, a.abstract() if isinstance(a, StackedParams) else a)
                  for a in args]
-        key = (_signature(avals), config, mesh, mode, search_mode, hardware, batch_argnums,
-               optimizer)
+        base = (_signature(avals), config, mesh, mode, search_mode, hardware, batch_argnums,
+                optimizer)
+        if copies is not None:
+            self._copies[base] = copies
+        elif base in self._copies:  # the split the weights were stacked for
+            copies = self._copies[base]
+        elif tr is not None and tr.args is not None:  # less the parameters themselves
+            copies = max([copies_of(a, tr.args) - 1 for i, a in enumerate(args)
+                          if i not in batch_argnums] + [0])
+        key = base + (copies or 0,)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = build_program(
                 self.fn, avals, batch_argnums=batch_argnums, config=config, mesh=mesh,
                 mode=mode, search_mode=search_mode, hardware=hardware, where=where,
-                optimizer=optimizer)
+                optimizer=optimizer, state_copies=copies or 0)
         self.last_program = program
         if tr is not None:
             tr.built.append(program)

@@ -16,17 +16,22 @@ splits the weights, and :func:`early_memory` counts, per device:
 * **gradients**: the loop's results, the stacked ones reduce-scattered over the row axes where
   ZeRO splits them (``1/G``), the rest's as their accumulators are laid out;
 * **batch**: the micro-batched batch;
-* **loop**: ``memory.loop_memory`` of the draft, with a layer's residuals estimated from the
-  graph (every operator result of the layer): the slots, the row groups' ``[v, G, k, ...]``
-  accumulators and the reduce-scatter's operand, the rest's per-group gradients, one tick
+* **loop**: ``memory.loop_memory`` of the draft, with a layer's stored residuals estimated
+  from the leaves ``jax.vjp`` of one layer keeps (``residuals.layer_stored``): the slots,
+  the row groups' ``[v, G, k, ...]`` accumulators and the reduce-scatter's operand, the
+  rest's per-group gradients, one tick
   (with the zeros its weight gradients start from), and level 3's second copy of the gathered
   weights.
 
-Left out: the optimizer state (made by the step from the stacked weights after
-``cell.stack``, which builds the program: the cell never sees it; Adam's moments are two copies
-of the weights, split over the row axes with ZeRO) and the step's own temporaries; the
-step's plan counts them (``plan.memory_bytes``).  The stored residuals from the graph are the
-estimate's largest error (26.1 KiB per layer against the probe's 13.9 on the bench's GPT).
+* **state**: the optimizer state's copies of the weights (``Draft.state_copies``: Adam's
+  moments, two) where they are known (``PipelineCell.stack(opt_state=)``, or the traced step's
+  arguments), per argument leaf, laid out as ZeRO pins them (``_state_copy``); none otherwise.
+
+Left out: the step's own temporaries; the step's plan counts them (``plan.memory_bytes``).
+A layer's stored residuals, once every operator result of the layer (26.1 KiB against the
+probe's 13.9 on the bench's GPT), are the leaves ``jax.vjp`` of one layer keeps (13.4 KiB;
+equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.935-1.058
+of the compiled total on the six bench rows run (README), 0.741-1.024 without it.
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
@@ -39,6 +44,9 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
+from jaxpar._src.pipeline.config import AXIS
 from jaxpar._src.pipeline.groups import strip
 from jaxpar._src.pipeline.memory import loop_memory
 from jaxpar._src.pipeline.view import LayerView, format_bytes, local_bytes
@@ -54,16 +62,19 @@ class EarlyMemory:
     gradients: float
     batch: float
     loop: float
+    state: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gathered + self.gradients + self.batch + self.loop
+        return self.weights + self.gathered + self.gradients + self.batch + self.loop + \
+            self.state
 
     def explain(self) -> str:
         return (f"{format_bytes(self.total)}: weights {format_bytes(self.weights)}, gradients "
                 f"{format_bytes(self.gradients)}, batch {format_bytes(self.batch)}, loop "
                 f"{format_bytes(self.loop)}" + (f", gathered {format_bytes(self.gathered)}"
-                                          if self.gathered else ""))
+                                          if self.gathered else "")
+                + (f", optimizer state {format_bytes(self.state)}" if self.state else ""))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +101,8 @@ class Draft(LayerView):
     params_split: bool
     micro_size: int
     id: int = 0
+    state_copies: int = 0  # the optimizer state's copies of the weights (Adam: 2), if known
+    optimizer: Any = None  # jaxpar.OptimizerParallel (ZeRO): how it splits those copies
 
 
 def early_memory(draft: Draft) -> EarlyMemory:
@@ -124,7 +137,48 @@ def early_memory(draft: Draft) -> EarlyMemory:
         grads += local_bytes(value, spec, mesh)
     batch = M * sum(local_bytes(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
     return EarlyMemory(weights, gathered, grads, batch,
-                       loop_memory(draft, backward=draft.schedule.has_backward).total)
+                       loop_memory(draft, backward=draft.schedule.has_backward).total,
+                       draft.state_copies * _state_copy(draft, mesh) if draft.state_copies
+                       else 0.0)
+
+
+def _state_copy(draft: Draft, mesh: MeshShape) -> float:
+    """One copy of the weights as the optimizer state holds it (Adam's ``mu``): split as ZeRO
+    pins it (``optimizer_parallel.optimizer_pins``: the stacked ``[S, v, k, ...]`` on its first
+    later dimension that divides, the rest on dimension 0, over the data-parallel axes), else
+    whole as the weights.  Per argument leaf the layer's and the rest's values are read from
+    (through reshapes: ``stacked._through_reshapes``), once; a value the loss computes (a
+    layer's attention mask) has none."""
+    from jaxpar._src.optimizer_parallel import _stacked_dim
+    from jaxpar._src.pipeline.stacked import _through_reshapes
+
+    opt, graph = draft.optimizer, draft.graph
+    # ZeRO's data-parallel axes are those the step splits the batch's rows over: the pipelined
+    # batch's are every mesh axis ("pp" too: a stacked weight's own is "pp" already)
+    dp = mesh.names
+    v, k, S = draft.config.repeats, draft.split.slots, draft.config.stages
+    total = 0.0
+    inputs = {graph.nodes[nid].outputs[0] for nid in graph.inputs}
+    seen: set[int] = set()  # a parameter read twice (as it is and reshaped) has one copy
+    for vid, stacked in [(draft.rep_layer.weights[p], True) for p in draft.stacked] + \
+            [(r, False) for r in draft.rest]:
+        vid = _through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
+        w = graph.values[vid]
+        if vid in seen or vid not in inputs or not _inexact(w):
+            continue  # read twice, a layer's constant (an attention mask), or an integer
+        seen.add(vid)
+        spec = draft.spec(vid)
+        if stacked:
+            one = v * k * local_bytes(w, spec, mesh)
+            if opt is not None:
+                aval = jax.ShapeDtypeStruct((S, v, k) + tuple(w.shape), w.dtype)
+                _, axes = _stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
+                one /= mesh.product(axes)
+        else:
+            axes = opt.split_axes(w.shape, w.dtype, spec, dp, mesh) if opt is not None else ()
+            one = local_bytes(w, spec, mesh) / mesh.product(axes)
+        total += one
+    return total
 
 
 def most_slots(need: Any, budget: float, *, layers: int, chunks: int) -> tuple[int, bool]:
@@ -173,4 +227,5 @@ def draft_of(program: Any) -> Draft:
                                          residual_bytes=split.residual_bytes),
                  program.schedule, program.rest, program.batch, program.carried_in,
                  program.stacked, program.groups, program.ends, program.scatters,
-                 program.rest_scatters, program.params_split, program.micro_size)
+                 program.rest_scatters, program.params_split, program.micro_size,
+                 state_copies=program.state_copies, optimizer=program.optimizer)

@@ -26,8 +26,9 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
 
 Before the loop is traced (the split's memory check, ``early.py``, calls :func:`loop_memory`
 on a draft of the program per candidate split) a layer's stored residuals are estimated
-from the graph: every operator's result in the layer.  Once it is traced, :func:`record` keeps
-what the probe of :mod:`residuals` found, and :func:`loop_memory` counts those leaves.  The step's
+from the leaves ``jax.vjp`` of one layer keeps (``residuals.layer_stored``, once per
+build).  Once it is traced, :func:`record` keeps what the probe of :mod:`residuals` found,
+and :func:`loop_memory` counts those leaves.  The step's
 plan adds the loop's arrays as temporaries of the loop operator, one by one once the loop is
 traced (:func:`jaxpar._src.program_memory.lowered_memory`), so ``plan.memory_bytes`` is the
 step's arguments (parameters, optimizer state, split by ZeRO as planned), results,
@@ -93,7 +94,8 @@ class LoopMemory:
       res_slots, act_slots, ct_slots: the slot counts of the schedule (``slots.py``).
       slots: layer slots per chunk ``k``; repeats: chunks per stage ``v``.
       layer_stored: one layer's stored residuals per micro-batch; ``how``: ``"traced"`` (the
-        probe's leaves) or ``"graph"`` (every operator result of a layer, before tracing).
+        probe's leaves) or ``"layer vjp"`` (one layer's, before tracing:
+        ``residuals.layer_stored``).
       weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
         where one scan runs forward and backward ticks on one chunk per stage
         (:func:`_weight_copies`).
@@ -114,7 +116,7 @@ class LoopMemory:
     slots: int
     repeats: int
     layer_stored: float
-    how: str = "graph"
+    how: str = "layer vjp"
     weight_copies: float = 0.0
     arrays: tuple[float, ...] = ()
 
@@ -221,7 +223,7 @@ def loop_temporaries(graph: Any) -> list[tuple[float, int]]:
 
 def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
     """The loop of ``program`` (a ``PipelineProgram``; ``backward=False``: its forwards
-    alone): with the probe's residuals once the loop is traced, else the graph's estimate."""
+    alone): with the probe's residuals once the loop is traced, else one layer's vjp's."""
     mesh = MeshShape.of(program.mesh)
     split, config = program.split, program.config
     carried = sum(local_bytes(program.graph.values[v], program.spec(v), mesh)
@@ -237,7 +239,7 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
                  full_bytes=full, carried_bytes=carried,
                  recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
                  tick_grad_bytes=sum(_tick_grads(program, mesh)))
-    m = dataclasses.replace(m, how="traced" if traced is not None else "graph",
+    m = dataclasses.replace(m, how="traced" if traced is not None else "layer vjp",
                             weight_copies=_weight_copies(program, mesh) if backward else 0.0)
     if traced is None or not backward:
         return m

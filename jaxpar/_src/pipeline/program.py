@@ -33,6 +33,7 @@ from jaxpar._src.pipeline.early import Draft, early_memory, most_slots
 from jaxpar._src.pipeline.ends import EndGroups, end_groups, end_scatters
 from jaxpar._src.pipeline.groups import RowGroups, gradient_scatters, row_groups, strip
 from jaxpar._src.pipeline.layers import Layer, LayerSequence, control_of, find_layers, members
+from jaxpar._src.pipeline.residuals import layer_stored
 from jaxpar._src.pipeline.schedule import PipelineSchedule
 from jaxpar._src.pipeline.split import (
     BACKWARD_FACTOR,
@@ -40,7 +41,7 @@ from jaxpar._src.pipeline.split import (
     choose_split,
     marked_split,
 )
-from jaxpar._src.pipeline.view import LayerView
+from jaxpar._src.pipeline.view import LayerView, local_bytes
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
 
@@ -89,6 +90,9 @@ class PipelineProgram(LayerView):
     # ZeRO level 3: the scattered stacked weights are split as their moments too (the step
     # gathers them before the loop), so their updated values, the step's outputs, are slices
     params_split: bool = False
+    # the optimizer state's copies of the weights the split's memory check counted (early.py)
+    state_copies: int = 0
+    optimizer: Any = None  # jaxpar.OptimizerParallel the program was built for (ZeRO)
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
@@ -142,10 +146,12 @@ def sub_mesh(mesh: Mesh, where: str) -> Mesh:
 
 def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int, ...],
                   config: PipelineConfig, mesh: Mesh, mode: Any, search_mode: str,
-                  hardware: HardwareProfile, where: str, optimizer: Any = None
-                  ) -> PipelineProgram:
+                  hardware: HardwareProfile, where: str, optimizer: Any = None,
+                  state_copies: int = 0) -> PipelineProgram:
     """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``; with
-    ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered."""
+    ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered;
+    the split's memory check counts ``state_copies`` copies of the weights (the optimizer
+    state's: Adam's moments) laid out as their gradients."""
     from jaxpar._src.context import ParallelMode
 
     S, M = config.stages, config.micro_batches
@@ -184,6 +190,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     rep = n // 2
     parts = _partition(graph, layers, frozenset(batch))
     costs = _costs(graph, plan, layers.layers[rep], parts, hardware)
+    costs["residual_bytes"] = _stored_bytes(graph, plan, sub, layers, rep, parts, batch, rows)
     schedule = PipelineSchedule.build(config.schedule, S, M, config.repeats)
     forward = PipelineSchedule.build("forward", S, M, config.repeats)
     rep_layer = layers.layers[rep]
@@ -241,7 +248,8 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                            residual_bytes=costs["residual_bytes"]),
                 schedule, parts["rest"], batch,
                 tuple(layers.layers[0].act_in) + parts["carried_shared"], layers.stacked,
-                groups, ends, scatters, rest_scatters, splits(scatters), rows)).total
+                groups, ends, scatters, rest_scatters, splits(scatters), rows,
+                state_copies=state_copies, optimizer=optimizer)).total
 
         assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = most_slots(need, float(hardware.memory_per_device), layers=n,
@@ -264,7 +272,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        splits(scatters))
+        splits(scatters), state_copies, optimizer)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
@@ -410,14 +418,12 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
                 comm += d.comm_time
         return compute, comm
 
-    def local_bytes(vid: int) -> float:
+    def value_bytes(vid: int) -> float:
         v = graph.values[vid]
         spec = plan.decisions[v.producer].out_specs[v.index]
         shape = spec.shard_shape(v.shape, mesh) if spec.ndim == len(v.shape) else v.shape
         return float(math.prod(shape) * graph.values[vid].nbytes / max(math.prod(v.shape), 1))
 
-    residual = sum(local_bytes(v) for nid in rep.nodes for inner in _nested(graph, nid)
-                   if graph.nodes[inner].kind is NodeKind.OP for v in graph.nodes[inner].outputs)
     epi_compute, epi_comm = seconds(parts["epi_nodes"])
     return {
         "layer_s": sum(seconds(rep.nodes)),
@@ -432,11 +438,34 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
         # an idle slot touches each stacked weight (its gradient zeroed in the backward) and
         # each carried value (passed through) once
         "idle_s": per_op * (len(rep.weights) + len(rep.act_in) + len(parts["carried_shared"])),
-        "layer_bytes": sum(local_bytes(v) for v in rep.weights),
-        "residual_bytes": residual,
-        "rest_bytes": sum(local_bytes(v) for v in parts["rest"]),
-        "act_bytes": sum(local_bytes(v) for v in rep.act_in),
+        "layer_bytes": sum(value_bytes(v) for v in rep.weights),
+        "rest_bytes": sum(value_bytes(v) for v in parts["rest"]),
+        "act_bytes": sum(value_bytes(v) for v in rep.act_in),
     }
+
+
+def _stored_bytes(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, layers: LayerSequence,
+                  rep: int, parts: dict, batch: Sequence[int], rows: int) -> float:
+    """One layer's stored residuals per micro-batch per device, before the loop is traced:
+    the leaves ``jax.vjp`` of the layer keeps (``residuals.layer_stored``), each laid out as
+    the layer's value it is (or is computed from), else with its rows split as the carried
+    input's where its first dimension is the micro-batch's rows (as ``memory.py`` lays out a
+    probed leaf no constraint names), else whole."""
+    layer = layers.layers[rep]
+    carried = tuple(layers.layers[0].act_in) + tuple(parts["carried_shared"])
+    leaves = layer_stored(graph, plan, mesh, layer, stacked=layers.stacked,
+                          shared=parts["carried_shared"], carried=carried, rest=parts["rest"],
+                          batch=batch)
+    first = graph.values[carried[0]] if carried else None
+    row_axes = (plan.decisions[first.producer].out_specs[first.index].dims[0]
+                if first is not None and first.shape else ())
+    shape = MeshShape.of(mesh)
+    total = 0.0
+    for aval, spec in leaves:
+        if spec is None and aval.shape and aval.shape[0] == rows:
+            spec = Spec((tuple(row_axes),) + ((),) * (len(aval.shape) - 1))
+        total += local_bytes(aval, spec, shape)
+    return total
 
 
 def _nested(graph: OpGraph, nid: int) -> list[int]:

@@ -229,3 +229,23 @@ def unstacked(tree: Any) -> Any:
 
     return jax.tree.map(lambda x: x.unstack() if is_stacked(x) else x, tree,
                         is_leaf=is_stacked)
+
+
+def copies_of(params: Any, trees: Any) -> int:
+    """How many subtrees of ``trees`` are shaped like ``params`` (the same tree structure and
+    leaf shapes: an optimizer state's copies of the parameters, Adam's moments; not its step
+    count).
+
+    >>> import jax.numpy as jnp, optax
+    >>> p = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    >>> copies_of(p, optax.adam(1e-3).init(p)), copies_of(p, (p, optax.sgd(1e-3).init(p)))
+    (2, 1)
+    """
+    treedef: Any = jax.tree.structure(params)
+    shapes = [np.shape(x) for x in jax.tree.leaves(params)]
+
+    def like(x: Any) -> bool:
+        return bool(treedef == jax.tree.structure(x)) and \
+            [np.shape(y) for y in jax.tree.leaves(x)] == shapes
+
+    return sum(like(x) for x in jax.tree.leaves(trees, is_leaf=like))

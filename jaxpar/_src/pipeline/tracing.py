@@ -37,6 +37,9 @@ class Tracing:
     hardware: HardwareProfile
     optimizer: Any = None  # OptimizerParallel (ZeRO): the stacked gradients reduce-scattered
     built: list[Any] = dataclasses.field(default_factory=list)  # PipelineProgram, in order
+    # the traced step's arguments: the split's memory check counts the optimizer state's
+    # copies of the cell's parameters among them (stacked.copies_of)
+    args: Any = None
 
 
 _state = threading.local()

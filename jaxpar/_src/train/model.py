@@ -277,7 +277,7 @@ class Model:
         if pipe is None or isinstance(params, StackedParams):
             return state
         try:
-            stacked = pipe.stack(params, rest, *batch)
+            stacked = pipe.stack(params, rest, *batch, opt_state=opt_state)
         except (PlanError, MeshError):  # nothing to stack (every layer's weights derived in
             return state  # the network), or no mesh outside the step: the step says why
         treedef: Any = jax.tree.structure(params)
