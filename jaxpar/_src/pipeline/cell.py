@@ -134,12 +134,13 @@ class PipelineCell:
 
         ``opt_state``: the optimizer state the step will update the parameters with (or its
         abstract shapes): the stage split's memory check counts its copies of the parameters
-        (Adam's moments: two), laid out as the gradients (split over the row axes where ZeRO
-        reduce-scatters them), so under ``HardwareProfile.memory_per_device`` the split fits
-        with the state; the cell's calls in the step then keep this split.  Without it the
-        check counts no optimizer state for the split stacked here (the step keeps it too);
-        a step ``jaxpar.parallelize`` traces with the parameters not stacked counts the copies
-        of them among its own arguments.
+        (Adam's moments: two), laid out as ZeRO places them (split over the data-parallel
+        axes where the parallel optimizer is on; else as the weights), so under
+        ``HardwareProfile.memory_per_device`` the split fits with the state; the cell's
+        calls in the step then keep this split.  Without it the check counts no optimizer
+        state for the split stacked here (the step keeps it too); a step
+        ``jaxpar.parallelize`` traces with the parameters not stacked counts the copies of
+        them among its own arguments.
         """
         where = f"jaxpar.PipelineCell({getattr(self.fn, '__name__', 'fn')}).stack"
         found = self._resolve(where)

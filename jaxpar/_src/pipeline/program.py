@@ -151,7 +151,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``; with
     ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered;
     the split's memory check counts ``state_copies`` copies of the weights (the optimizer
-    state's: Adam's moments) laid out as their gradients."""
+    state's: Adam's moments) laid out as ZeRO places them (early.py)."""
     from jaxpar._src.context import ParallelMode
 
     S, M = config.stages, config.micro_batches
