@@ -189,7 +189,7 @@ def test_the_split_check_counts_zero_level3_before_the_loop_is_traced():
 
 def test_the_split_check_counts_the_optimizer_state():
     """Adam's moments given to ``cell.stack(opt_state=)`` are counted by the split's memory
-    check (two copies of the weights, laid out as their gradients), where the check left them
+    check (two copies of the weights, laid out as ZeRO places them), where the check left them
     out.  The toy's Adam step on ``(dp, pp) = (4, 2)`` under 1F1B splits (6, 2) with no budget;
     under a budget halfway between the check's figures for it without and with the state, the
     state-blind check keeps (6, 2), whose compiled peak is over that budget; with the state
