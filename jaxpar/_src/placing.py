@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from jaxpar._src.trace import wider_than_canonical
+
 
 def placed_as(args: tuple, static: Sequence[int], in_shardings: tuple[Any, ...],
               place: Callable[[Any, Any], Any]) -> list:
@@ -37,7 +39,7 @@ def abstract_as(x: Any, sharding: Any) -> Any:
     ``jax_enable_x64`` is placed instead: its struct would canonicalize to 32 bits, while the
     program was traced, as ``jax.jit`` traces it, for the array's own dtype."""
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        if x.dtype != jax.dtypes.canonicalize_dtype(x.dtype):
+        if wider_than_canonical(x.dtype):
             return place_leaf(x, sharding)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
     return x

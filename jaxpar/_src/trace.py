@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
+import numpy as np
 
 from jaxpar._src.compat import scan_counts, source_location, transposed
 from jaxpar._src.graph import (
@@ -107,6 +108,19 @@ def _abstract(x: Any) -> Any:
     return abstract_value(x)
 
 
+def wider_than_canonical(dtype: Any) -> bool:
+    """Whether JAX would canonicalize ``dtype`` to another (a 64-bit dtype outside
+    ``jax_enable_x64``); never for an extended dtype (a PRNG key's), which JAX keeps as it is.
+
+    >>> import numpy as np
+    >>> wider_than_canonical(np.float32), wider_than_canonical(jax.random.key(0).dtype)
+    (False, False)
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(np.dtype(dtype) != jax.dtypes.canonicalize_dtype(dtype))
+
+
 def abstract_value(x: Any) -> Any:
     """The abstract value ``jax.jit`` traces an array argument ``x`` with (else ``x``).
 
@@ -126,7 +140,7 @@ def abstract_value(x: Any) -> Any:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         return x
     weak = getattr(x, "weak_type", False)
-    if isinstance(x, jax.Array) and x.dtype != jax.dtypes.canonicalize_dtype(x.dtype):
+    if isinstance(x, jax.Array) and wider_than_canonical(x.dtype):
         return jax.core.ShapedArray(x.shape, x.dtype, weak_type=weak)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
 

@@ -31,6 +31,7 @@ from jaxpar._src.pipeline.loop import make_loop
 from jaxpar._src.pipeline.program import PipelineProgram, build_program
 from jaxpar._src.pipeline.stacked import StackedParams, copies_of, stack, stack_groups, stack_layout
 from jaxpar._src.spec import Spec
+from jaxpar._src.trace import wider_than_canonical
 from jaxpar._src.tracing_state import tracing_mesh
 
 
@@ -254,7 +255,7 @@ def _check_canonical_dtypes(args: Sequence[Any], where: str) -> None:
             continue
         for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
             dtype = getattr(x, "dtype", None)
-            if dtype is None or dtype == jax.dtypes.canonicalize_dtype(dtype):
+            if dtype is None or not wider_than_canonical(dtype):
                 continue
             raise PlanError(
                 f"{where}: argument {i}{jax.tree_util.keystr(path)} is {dtype} outside "
