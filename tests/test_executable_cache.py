@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar._src import api
+from jaxpar._src import api, cached_build
 from jaxpar._src.executable_cache import LOADED_NOTE, flush
 
 
@@ -531,8 +531,8 @@ def test_nothing_is_read_ahead_for_more_than_one_process(cache_dir, monkeypatch)
     want = np.asarray(_auto(mesh)(*args))
     flush()
     started = []
-    monkeypatch.setattr(api, "storable", lambda: False)
-    monkeypatch.setattr(api, "Prefetch", lambda *a: started.append(a))
+    monkeypatch.setattr(cached_build, "storable", lambda: False)
+    monkeypatch.setattr(cached_build, "Prefetch", lambda *a: started.append(a))
     again = _auto(mesh)
     np.testing.assert_array_equal(np.asarray(again(*args)), want)
     assert started == [] and LOADED_NOTE not in again.plan(*args).notes[-1]

@@ -14,6 +14,13 @@ from jax.sharding import Mesh
 
 from jaxpar._src.arguments import parallelize_info
 from jaxpar._src.cache_key import call_key
+from jaxpar._src.cached_build import (
+    keep_compiled,
+    start_prefetch,
+    stored_choice,
+    stored_executable,
+    stored_plan,
+)
 from jaxpar._src.config import config
 from jaxpar._src.context import (
     AlgoParameters,
@@ -26,15 +33,9 @@ from jaxpar._src.data_parallel import arrival_specs, infer_batch_argnums
 from jaxpar._src.dispatch import MISS, FastPath, refuse_fast_trace
 from jaxpar._src.errors import ContextError, PlanError, StrategyError
 from jaxpar._src.executable_cache import (
-    LOADED_NOTE,
     ExecutableKey,
     Loaded,
-    call_in_tree,
     compile_to_keep,
-    dynamic_tree,
-    executable_key,
-    load_executable,
-    storable,
     store_in_background,
 )
 from jaxpar._src.execution import pynative
@@ -51,18 +52,10 @@ from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
 from jaxpar._src.placing import abstract_as, place_leaf, placed_as
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.plan_cache import (
-    TEXT_SHA,
-    CacheKey,
-    entry_choice,
-    entry_plan,
-    plan_cache_key,
-    read_entry,
-    store_cached,
-)
+from jaxpar._src.plan_cache import CacheKey, plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
-from jaxpar._src.prefetch import Prefetch, pre_key, read_index, write_index
+from jaxpar._src.prefetch import Prefetch
 from jaxpar._src.program_memory import with_lowered_memory
 from jaxpar._src.recompute import POLICIES, choosing
 from jaxpar._src.recompute_choice import (
@@ -309,25 +302,12 @@ class Parallelized:
         names = info.arg_names(len(args))
         cache_dir = config.plan_cache_dir
         # the executable last used for this function and call, read while it is traced
-        ahead, prefetch = self._prefetch(cache_dir, settings, signature)
+        ahead, prefetch = start_prefetch(cache_dir, settings, signature, info)
         try:
             return self._build_traced(args, settings, signature, names, t0, ahead, prefetch)
         finally:
             if prefetch is not None:
                 prefetch.drop()
-
-    def _prefetch(self, cache_dir: str | None, settings: Settings, signature: tuple
-                  ) -> tuple[str | None, Prefetch | None]:
-        """The call's pre-key and the executable its index names, being read ahead
-        (``prefetch.py``); ``(None, None)`` where no executable would be loaded."""
-        info = self._info
-        if not cache_dir or settings.ckpt_load or settings.mode is ParallelMode.STAND_ALONE \
-                or not storable():
-            return None, None
-        ahead = pre_key(info.fn, signature, settings, info)
-        name = read_index(cache_dir, ahead, api=info.api)
-        return ahead, None if name is None else Prefetch(cache_dir, name,
-                                                         list(settings.mesh.devices.flat))
 
     def _build_traced(self, args: tuple, settings: Settings, signature: tuple,
                       names: list[str], t0: float, ahead: str | None,
@@ -351,14 +331,11 @@ class Parallelized:
             key = plan_cache_key(graph=program.graph, in_tree=program.in_tree,
                                  out_tree=program.out_tree, signature=signature,
                                  settings=settings, info=info)
-            cached = read_entry(cache_dir, key, api=info.api)
-            if cached is not None:
-                if _per_level(settings, program):  # the loop of the level the plan chose
-                    stored = cached.get("plan")
-                    program, batch, _ = self._trace(args, _at_level(settings, stored.get(
-                        "optimizer_level") if isinstance(stored, dict) else None), names, None)
-                plan = entry_plan(cached, key.path(cache_dir), program.graph, api=info.api)
-                hit, text_sha = plan is not None, cached[TEXT_SHA]
+            program, batch, plan, hit, text_sha = stored_plan(
+                cache_dir, key, program, batch, api=info.api,
+                retrace=(lambda level: self._trace(args, _at_level(settings, level), names,
+                                                   None)[:2])
+                if _per_level(settings, program) else None)
         if plan is None:
             program, batch, plan = self._plan(args, program, settings, names, batch)
             plan = dataclasses.replace(plan, notes=plan.notes + remat_notes(program.graph))
@@ -368,19 +345,14 @@ class Parallelized:
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
-        loaded, pending = None, []
+        loaded: Loaded | None = None
+        pending: list[tuple[str, ExecutableKey]] = []
         if rung is not None:  # the chosen rung's jitted function, its executable compiled
             flat_in = rung.in_shardings  # (lowering reads plan.decisions)
             build = _given(rung.jitted)
-            kept = rung.executable  # where XLA compiled it in this process
-            if cache_dir and key is not None and text_sha is not None and storable() and \
-                    kept is not None:  # kept beside the entry the choice is stored in
-                exec_key = executable_key(
-                    key.digest, text_sha, signature=signature,
-                    donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
-                    platform=mesh.devices.flat[0].platform)
-                store_in_background(cache_dir, exec_key, kept, api=info.api)
-                self._index(cache_dir, ahead, prefetch, exec_key)
+            # where XLA compiled it in this process, kept beside the entry of the choice
+            keep_compiled(cache_dir, key, text_sha, rung.executable, signature=signature,
+                          info=info, mesh=mesh, ahead=ahead, prefetch=prefetch)
         else:
             in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                          for n in program.graph.inputs]
@@ -388,40 +360,14 @@ class Parallelized:
             flat_in = _in_shardings(plan, mesh, arrivals)
             build = functools.cache(functools.partial(
                 self._jit, program, plan, mesh, settings, arrivals, flat_in))
-            if cache_dir and key is not None and text_sha is not None and storable():
-                # the executable beside the plan (executable_cache.py)
-                exec_key = executable_key(
-                    key.digest, text_sha, signature=signature,
-                    donate_argnums=info.donate_argnums, static_argnums=info.static_argnums,
-                    platform=mesh.devices.flat[0].platform)
-                tree = dynamic_tree(args, info.static_argnums)
-                in_tree, devices = call_in_tree(args, info.static_argnums), list(mesh.devices.flat)
-                compiled = None
-                if hit and prefetch is not None:  # only if its key is exec_key, exactly
-                    compiled = prefetch.take(cache_dir, exec_key, in_tree, program.out_tree,
-                                             devices)
-                if hit and compiled is None:
-                    compiled = load_executable(cache_dir, exec_key, in_tree, program.out_tree,
-                                               devices, api=info.api)
-                self._index(cache_dir, ahead, prefetch, exec_key)
-                if compiled is None:
-                    pending.append((cache_dir, exec_key))
-                else:
-                    loaded = Loaded(compiled, tree, signature, info.static_argnums, build)
-                    plan = dataclasses.replace(plan, notes=plan.notes[:-1] + (
-                        f"{plan.notes[-1]}; {LOADED_NOTE} ({exec_key.path(cache_dir)}), not "
-                        f"lowered or compiled",))
+            loaded, pending, plan = stored_executable(
+                cache_dir, key, text_sha, plan, hit=hit, args=args, signature=signature,
+                info=info, mesh=mesh, out_tree=program.out_tree, build=build, ahead=ahead,
+                prefetch=prefetch)
         t3 = time.perf_counter()
         return Compiled(program, plan, settings, build, flat_in,
                         {"trace": t1 - t0, "search": t2 - t1, "executable": t3 - t2},
                         loaded, pending)
-
-    def _index(self, cache_dir: str, ahead: str | None, prefetch: Prefetch | None,
-               exec_key: ExecutableKey) -> None:
-        """Names ``exec_key``'s executable in the index of pre-key ``ahead`` for the next
-        process (``prefetch.py``), unless it does already."""
-        if ahead is not None and (prefetch is None or prefetch.path != exec_key.path(cache_dir)):
-            write_index(cache_dir, ahead, exec_key, api=self._info.api)
 
     def _trace(self, args: tuple, settings: Settings, names: list[str],
                policies: tuple[str, ...] | None
@@ -473,8 +419,9 @@ class Parallelized:
                                        out_tree=base.out_tree, signature=signature,
                                        settings=settings, info=info,
                                        choice=choice_key(layers, budget))
-            hit = self._cached_choice(args, settings, names, layers, base, base_batch,
-                                      cache_dir, entry_key)
+            hit = stored_choice(
+                cache_dir, entry_key, base, base_batch, layers, POLICIES, api=info.api,
+                retrace=lambda policies: self._trace(args, settings, names, policies))
             if hit is not None:
                 program, batch, plan, sha = hit
                 return program, batch, plan, None, entry_key, sha, True
@@ -551,28 +498,6 @@ class Parallelized:
             text_sha = store_cached(cache_dir, entry_key, plan, api=info.api,
                                     choice=list(chosen.policies))
         return chosen.program, chosen.batch, plan, chosen, entry_key, text_sha, False
-
-    def _cached_choice(self, args: tuple, settings: Settings, names: list[str],
-                       layers: list[str], base: TracedProgram,
-                       base_batch: tuple[int, ...] | None, cache_dir: str, key: CacheKey
-                       ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan, str] | None:
-        """The recompute choice and plan stored under ``key``: the program traced with the
-        stored policies (one trace; none when nothing is recomputed), the plan loaded for
-        it and the SHA-256 of the entry's text; ``None`` when there is no usable entry."""
-        api = self._info.api
-        entry = read_entry(cache_dir, key, api=api)
-        if entry is None:
-            return None
-        policies = entry_choice(entry, key.path(cache_dir), POLICIES, len(layers), api=api)
-        if policies is None:
-            return None
-        program, batch = base, base_batch
-        if set(policies) != {"none"}:
-            program, batch, seen = self._trace(args, settings, names, policies)
-            if len(seen) != len(layers):  # the ladder says why
-                return None
-        plan = entry_plan(entry, key.path(cache_dir), program.graph, api=api)
-        return None if plan is None else (program, batch, plan, entry[TEXT_SHA])
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None, policies: tuple[str, ...] | None = None
