@@ -2,6 +2,7 @@
 the same layouts and numbers; any change of the key misses; a bad entry warns and is replaced."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,39 @@ def test_the_program_digest_leaves_object_addresses_out():
     assert _params({"f": Thing(), "n": 2}, control=False) == \
         _params({"n": 2, "f": Thing()}, control=False)
     assert _params({"n": 2}, control=False) != _params({"n": 3}, control=False)
+
+
+_NOT_AN_INDEX = "is not a jaxpar.prefetch/1 index naming an executable"
+
+
+@pytest.mark.parametrize("suffix, content, why", [
+    (".json", b"{cut short", "it is not JSON"),
+    (".json", b"null", "it is not a jaxpar.plan-cache/1 entry (found 'NoneType')"),
+    (".json", b"[1, 2]", "it is not a jaxpar.plan-cache/1 entry (found 'list')"),
+    (".json", b"\xff\xfe", "it cannot be read"),
+    (".last", b"{cut short", "it is not JSON"),
+    (".last", b"null", _NOT_AN_INDEX),
+    (".last", b'"a string"', _NOT_AN_INDEX),
+    (".last", b"\xff\xfe", "it cannot be read"),
+])
+def test_an_unusable_entry_or_index_warns_from_parallelize_and_is_replaced(
+        cache_dir, suffix, content, why):
+    """A plan entry (.json) or pre-key index (.last, prefetch.py) that is not JSON, is JSON
+    ``null`` or another non-object, or is not text: one warning saying why, attributed to
+    jaxpar's api.py (the readers' stacklevel), and the file written anew for the next run."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    want = np.asarray(_auto(mesh)(*args))
+    (path,) = [p for p in cache_dir.iterdir() if p.suffix == suffix]
+    path.write_bytes(content)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _auto(mesh)(*args)
+    ours = [w for w in caught if issubclass(w.category, jaxpar.JaxparWarning)]
+    assert [(os.path.basename(w.filename), why in str(w.message)) for w in ours] == [
+        ("api.py", True)], [str(w.message) for w in ours]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert path.read_bytes() != content  # rewritten
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxpar.JaxparWarning)
+        _auto(mesh)(*args)

@@ -140,18 +140,13 @@ def read_entry(directory: str, key: CacheKey, *, api: str) -> dict[str, Any] | N
     one that cannot be used: then with a warning)."""
     path = key.path(directory)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, NotADirectoryError):  # no entry (the write says why, if bad)
+        read = read_json(path)
+    except Unusable as e:
+        _ignored(api, path, str(e))  # here, not in read_json: the warning's stacklevel
         return None
-    except (OSError, UnicodeDecodeError) as e:
-        _ignored(api, path, f"it cannot be read ({e})")
+    if read is None:  # no entry (the write says why, if bad)
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        _ignored(api, path, f"it is not JSON ({e.msg} at line {e.lineno})")
-        return None
+    data, text = read
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         _ignored(api, path, f"it is not a {FORMAT} entry (found {found!r})")
@@ -161,6 +156,31 @@ def read_entry(directory: str, key: CacheKey, *, api: str) -> dict[str, Any] | N
         return None
     data[TEXT_SHA] = _sha(text)  # the executable stored beside it is keyed on it
     return data
+
+
+class Unusable(Exception):
+    """A plan-cache file that exists but cannot be read as JSON: the message says why."""
+
+
+def read_json(path: str) -> tuple[Any, str] | None:
+    """The JSON data in the file at ``path`` (any JSON value: ``null`` is ``None``) and the
+    file's text; ``None`` when there is no file.  Raises :class:`Unusable` when it cannot be
+    read or is not JSON; the caller warns, so that the warning's ``stacklevel`` counts from it.
+
+    >>> read_json("/nonexistent/entry.json") is None
+    True
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise Unusable(f"it cannot be read ({e})") from None
+    try:
+        return json.loads(text), text
+    except json.JSONDecodeError as e:
+        raise Unusable(f"it is not JSON ({e.msg} at line {e.lineno})") from None
 
 
 def entry_plan(entry: Mapping[str, Any], path: str, graph: OpGraph, *, api: str

@@ -49,7 +49,7 @@ from typing import Any
 from jaxpar._src.compat import load_prefetched, prefetch_xla_executables
 from jaxpar._src.errors import JaxparWarning
 from jaxpar._src.executable_cache import FORMAT, ExecutableKey
-from jaxpar._src.plan_cache import _text, write_atomically
+from jaxpar._src.plan_cache import Unusable, _text, read_json, write_atomically
 
 INDEX_FORMAT = "jaxpar.prefetch/1"
 _NAME = re.compile(r"[0-9a-f]{64}\.[0-9a-f]{64}\.xla")  # an executable's file name, no path
@@ -92,18 +92,13 @@ def read_index(directory: str, key: str, *, api: str) -> str | None:
     is no index or, with a warning, when it cannot be used."""
     path = index_path(directory, key)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, NotADirectoryError):
+        read = read_json(path)
+    except Unusable as e:
+        _ignored(api, path, str(e))  # here, not in read_json: the warning's stacklevel
         return None
-    except (OSError, UnicodeDecodeError) as e:
-        _ignored(api, path, f"it cannot be read ({e})")
+    if read is None:
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        _ignored(api, path, f"it is not JSON ({e.msg} at line {e.lineno})")
-        return None
+    data = read[0]
     name = data.get("executable") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or \
             not isinstance(name, str) or not _NAME.fullmatch(name):
