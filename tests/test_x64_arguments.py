@@ -136,3 +136,33 @@ def test_a_pipeline_refuses_a_64_bit_array_outside_x64_naming_it():
                            match=r"PipelineCell\(_layers\): argument 0 is float64 outside "
                                  r"jax_enable_x64.*x.astype\(float32\)"):
             step(w, x)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["value_and_grad", "forward"])
+def test_a_pipelined_step_under_x64_returns_the_unpipelined_loss_dtype_and_value(grad):
+    """Under x64 a float64 loss is accumulated over the micro-batches in float64, and its
+    gradients seeded with the float64 1/M: the pipelined step returns what the unpipelined one
+    does, to float64's precision (the loop's float32 accumulator gave a float32 loss, and M=3's
+    float32 1/3 gradients 3e-8 off)."""
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jax.enable_x64(True):
+        w = jnp.asarray(np.linspace(-0.5, 0.5, 4 * 8 * 8).reshape(4, 8, 8))
+        x = jnp.asarray(np.linspace(-1.0, 1.0, 24 * 8).reshape(24, 8))
+        assert w.dtype == x.dtype == jnp.float64
+        with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                          pipeline_stages=2):
+            cell = jaxpar.PipelineCell(_layers)
+            step = jaxpar.parallelize(jax.value_and_grad(cell) if grad else cell,
+                                      micro_batches=3, batch_argnums=1)
+            got = step(w, x)
+            red = step.plan(w, x).pipeline.gradient_reduction  # pipelined
+            colls = jaxpar.inspect.collectives(step.lower(w, x).compile()) if grad else None
+        want = (jax.value_and_grad(_layers) if grad else _layers)(w, x)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == r.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-13, atol=1e-15)
+    if grad:  # the loss's parts summed per dp group: one float64 (8 B) in the dp all-reduce
+        assert red.once and red.loss_bytes == 8, red
+        summed = [(r.count, r.nbytes) for r in colls.of("all-reduce") if r.axes == ("dp",)
+                  and any(sh.endswith("8,8]") for sh in r.shapes)]
+        assert summed == [(1, red.step_bytes + red.loss_bytes)], colls.table()

@@ -37,6 +37,7 @@ class GroupedArrays:
     ends: EndGroups | None
     w_cuts: dict[int, int]  # stacked weights stretched over the rows: their row dimension
     rest_g_specs: list[Spec]  # the rest's per-group accumulators' specs [G, ...]
+    loss_dtype: Any  # the loss's accumulators' (PipelineProgram.loss_dtype)
 
     # -- rows and the stacked weights' gradients (groups.py) ---------------------------------
     def _group_w_specs(self) -> list[Spec]:
@@ -124,7 +125,7 @@ class GroupedArrays:
         if not self._affine():
             return []
         assert self.groups is not None
-        return self._loss_groups([jnp.zeros((self.groups.size,), jnp.float32)])
+        return self._loss_groups([jnp.zeros((self.groups.size,), self.loss_dtype)])
 
     def _loss_groups(self, xs: list) -> list:
         """The loss's parts laid out as their accumulator (each group's on its own devices):

@@ -110,7 +110,7 @@ def make_loop(program: Any, *, backward: bool, fill: float = 0.0) -> Callable:
         carry: dict[str, Any] = {
             "act": buf(carried0, tables.act_slots, carried_specs),
             "in_act": [ar.filled(a, fill) for a in carried0],
-            "loss": jnp.zeros((), jnp.float32),
+            "loss": jnp.zeros((), program.loss_dtype),
         }
         if backward:
             carry |= {
@@ -182,6 +182,7 @@ class _Tick(GroupedArrays):
     ends: EndGroups | None = None  # the prologue's backward, the epilogue per group (ends.py)
 
     def __post_init__(self) -> None:
+        self.loss_dtype = self.program.loss_dtype  # float64 under x64, as unpipelined
         if self.groups is not None:
             p = self.program
             self.gpieces = Pieces(p, graph=self.groups.graph, plan=self.groups.plan)
@@ -233,8 +234,8 @@ class _Tick(GroupedArrays):
             else:
                 ends = jax.lax.cond(
                     row["f_last"] > 0,
-                    lambda: pieces.epilogue(self.rest, y, batch_m).astype(jnp.float32),
-                    lambda: jnp.zeros((), jnp.float32))
+                    lambda: pieces.epilogue(self.rest, y, batch_m).astype(self.loss_dtype),
+                    lambda: jnp.zeros((), self.loss_dtype))
             return y, stored, ends
 
         def idle() -> tuple:
@@ -337,10 +338,10 @@ class _Tick(GroupedArrays):
 
         def f(r: list, x: list, b: list) -> Any:
             return pieces.epilogue(ar.merge(self.rest, r), x,
-                                   ar.merge(batch_m, b)).astype(jnp.float32)
+                                   ar.merge(batch_m, b)).astype(self.loss_dtype)
 
         loss, pull = jax.vjp(f, ar.floats(self.rest), list(y), ar.floats(batch_m))
-        g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, jnp.float32))
+        g_r, ct_y, ct_b = pull(jnp.asarray(self.scale, self.loss_dtype))
         return (loss, self.loss_group_zeros(), self._carried(ar.dense(ct_y, y)),
                 ar.dense(g_r, self.rest), self.rest_group_zeros(), ar.dense(ct_b, batch_m))
 
@@ -369,25 +370,25 @@ class _Tick(GroupedArrays):
                 if t is None:
                     return parts
                 env = free | dict(zip(bound, parts, strict=True))
-                return run_tail(graph, t, env, linear=True).astype(jnp.float32)
+                return run_tail(graph, t, env, linear=True).astype(self.loss_dtype)
 
             parts = jax.vmap(one, spmd_axis_name=axes)(
                 rg, self._group(x, self.carried_specs), self._group(whole, self.batch_specs),
                 own)
             if t is not None:
                 once = (run_tail(graph, t, free, linear=False) if t.offset else
-                        jnp.zeros((), jnp.float32))
-                return once.astype(jnp.float32), self._loss_groups([parts])
+                        jnp.zeros((), self.loss_dtype))
+                return once.astype(self.loss_dtype), self._loss_groups([parts])
             parts = [self._unregroup(v, dim) for v, (_, dim) in zip(parts, e.bound,
                                                                      strict=True)]
             out = pieces.epilogue_part(rr, x, whole, e.tail, [self.program.out_operand],
                                        bound=bound, values=parts)[0]
-            return out.astype(jnp.float32), []
+            return out.astype(self.loss_dtype), []
 
         rg = self._rest_groups()
         (loss, loss_g), pull = jax.vjp(f, ar.floats(self.rest), rg, list(y),
                                        ar.floats(batch_m))
-        scale = jnp.asarray(self.scale, jnp.float32)
+        scale = jnp.asarray(self.scale, self.loss_dtype)
         g_r, g_rg, ct_y, ct_b = pull((scale, self._loss_groups(
             [jnp.full(g.shape, scale) for g in loss_g])))
         return (loss, loss_g, self._carried(ar.dense(ct_y, y)), ar.dense(g_r, self.rest),
@@ -395,7 +396,7 @@ class _Tick(GroupedArrays):
 
     def _no_epilogue(self, y: list) -> tuple:
         ct_y = self._carried([ar.filled(v, self.fill) for v in y])
-        return (jnp.zeros((), jnp.float32), self.loss_group_zeros(), ct_y,
+        return (jnp.zeros((), self.loss_dtype), self.loss_group_zeros(), ct_y,
                 [jnp.zeros_like(r) for r in self.rest], self.rest_group_zeros(),
                 [jnp.zeros(b.shape[1:], b.dtype) for b in self.batch])
 

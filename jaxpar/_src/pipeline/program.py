@@ -124,6 +124,13 @@ class PipelineProgram(LayerView):
         """Stacked weight ``j``'s value in every layer."""
         return tuple(layer.weights[self.stacked[j]] for layer in self.layers.layers)
 
+    @property
+    def loss_dtype(self) -> Any:
+        """The dtype the loop accumulates the loss in and returns it in: the loss's, at least
+        float32 (float64 under ``jax_enable_x64``, as the unpipelined step; a bfloat16 loss
+        summed over the micro-batches in float32)."""
+        return jnp.promote_types(self.graph.operand_dtype(self.out_operand), jnp.float32)
+
     def batch_spec(self, j: int) -> Spec:
         """Batch input ``j``'s layout micro-batched, ``[M, rows, ...]``."""
         return Spec(((),) + self.spec(self.batch[j]).dims)

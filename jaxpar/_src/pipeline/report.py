@@ -176,7 +176,8 @@ class GradientReduction:
         (the parallel optimizer on: one dimension split over the row axes,
         ``program.rest_scatters``).
       loss_bytes: per device, the loss's parts summed per row group in the loop and once
-        after it (``tail.py``: 4 B, a float32 scalar); ``0`` where the loss's sum over the rows
+        after it (``tail.py``: one scalar of ``program.loss_dtype``, 4 B in float32, 8 under
+        x64); ``0`` where the loss's sum over the rows
         crosses the row axes per micro-batch.
     """
 
@@ -242,7 +243,9 @@ class GradientReduction:
         k, repeats = program.split.slots, program.config.repeats
         ends_bytes, ends_scattered, ends_why = _ends(program, mesh)
         if groups.on:
-            loss = 4.0 if program.ends.affine is not None else 0.0  # the loss's parts' sum
+            # the loss's parts' sum
+            loss = float(jnp.dtype(program.loss_dtype).itemsize) \
+                if program.ends.affine is not None else 0.0
             return cls(groups.axes, True, 1, repeats * k * layer, groups.why,
                        repeats * k * scattered, ends_bytes, ends_why, ends_scattered, loss)
         ticks = sum(stop - start for start, stop, _, has_b in
