@@ -4,6 +4,7 @@ the compiled program and runs it without lowering or compiling; same numbers and
 A bad file warns once and is replaced; a change that alters the executable but not the plan
 (donate_argnums) does not reuse it; a call jax.jit would trace anew is not served by it."""
 
+import json
 import os
 
 import jax
@@ -509,6 +510,7 @@ def test_a_corrupt_index_warns_and_is_rewritten(cache_dir, taken):
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     args = _args()
     want = np.asarray(_auto(mesh)(*args))
+    flush()  # the index is written with the executable, in the background
     (index,) = [p for p in os.listdir(cache_dir) if p.endswith(".last")]
     (cache_dir / index).write_text('{"format": "jaxpar.prefetch/1", "executable": "../x.xla"}')
     again = _auto(mesh)
@@ -521,6 +523,80 @@ def test_a_corrupt_index_warns_and_is_rewritten(cache_dir, taken):
         _auto(mesh)(*args)
     _auto(mesh)(*args)  # rewritten: read ahead and used
     assert taken == [True]
+
+
+def _indexes(directory):
+    """``{index file: the executable it names}``."""
+    flush()
+    return {p: json.loads((directory / p).read_text())["executable"]
+            for p in os.listdir(directory) if p.endswith(".last")}
+
+
+def test_an_index_is_written_with_its_executable_not_by_plan(cache_dir, taken):
+    """``.plan()`` compiles nothing: it writes no index naming an executable that is not in the
+    plan cache (the next process would read ahead for nothing).  The call that stores the
+    executable writes the index after it; a ``.plan()`` that loads it (a hit) names it too."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    first = _auto(mesh)
+    first.plan(*args)
+    assert _indexes(cache_dir) == {} and _executables(cache_dir) == []
+    first(*args)
+    (exe,) = _executables(cache_dir)
+    assert list(_indexes(cache_dir).values()) == [exe]
+    (index,) = _indexes(cache_dir)
+    os.unlink(cache_dir / index)
+    assert LOADED_NOTE in _auto(mesh).plan(*args).notes[-1]  # loaded: in the plan cache
+    assert _indexes(cache_dir) == {index: exe} and taken == []
+    _auto(mesh)(*args)  # read ahead from that index, and used
+    assert taken == [True]
+
+
+def test_pruning_an_executable_deletes_the_index_naming_it(cache_dir, monkeypatch):
+    """donate_argnums keys the executable and the pre-key, not the plan: two indexes, two
+    executables beside one plan entry.  Keeping one executable per plan, the second's write
+    prunes the first, and the index naming it with it (read ahead, it named nothing)."""
+    from jaxpar._src import executable_cache
+
+    monkeypatch.setattr(executable_cache, "KEEP_PER_PLAN", 1)
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def make(**kwargs):
+        return jaxpar.parallelize(_update, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8, 1), (8, 1)), **kwargs)
+
+    w, g = jnp.ones((16, 4)), jnp.full((16, 4), 0.5)
+    make()(w, g)
+    (first,) = _executables(cache_dir)
+    assert list(_indexes(cache_dir).values()) == [first]
+    donating = make(donate_argnums=0)
+    donating(jax.device_put(w, donating.compiled_entry(w, g).in_shardings[0]), g)
+    (second,) = _executables(cache_dir)
+    assert second != first and list(_indexes(cache_dir).values()) == [second]
+
+
+def test_prune_deletes_the_indexes_of_executables_not_there(tmp_path):
+    """Indexes naming an executable pruned now or gone before are deleted; one naming an
+    executable kept, and files that are not an index prune can read, stay."""
+    from jaxpar._src.executable_cache import prune
+    from jaxpar._src.prefetch import INDEX_FORMAT
+
+    plan, other = "a" * 64, "b" * 64
+    exes = [f"{plan}.{str(i) * 64}.xla" for i in range(3)]
+    for i, name in enumerate(exes):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))  # 0 the oldest
+    names = {"old.last": exes[0], "kept.last": exes[2],
+             "missing.last": f"{other}.{'c' * 64}.xla"}
+    for index, name in names.items():
+        (tmp_path / index).write_text(json.dumps({"format": INDEX_FORMAT, "executable": name}))
+    (tmp_path / "corrupt.last").write_text("{not json")
+    (tmp_path / "null.last").write_text("null")
+    gone = prune(str(tmp_path), plan, keep=2)
+    assert sorted(os.path.basename(p) for p in gone) == sorted(
+        [exes[0], "old.last", "missing.last"])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        exes[1:] + ["kept.last", "corrupt.last", "null.last"])
 
 
 def test_nothing_is_read_ahead_for_more_than_one_process(cache_dir, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import api
+from jaxpar._src.executable_cache import flush
 from jaxpar._src.plan_cache import HIT_NOTE
 
 
@@ -175,6 +176,7 @@ def test_an_unusable_entry_or_index_warns_from_parallelize_and_is_replaced(
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     args = _args()
     want = np.asarray(_auto(mesh)(*args))
+    flush()  # the executable and its index, written in the background
     (path,) = [p for p in cache_dir.iterdir() if p.suffix == suffix]
     path.write_bytes(content)
     with warnings.catch_warnings(record=True) as caught:
@@ -184,6 +186,7 @@ def test_an_unusable_entry_or_index_warns_from_parallelize_and_is_replaced(
     assert [(os.path.basename(w.filename), why in str(w.message)) for w in ours] == [
         ("api.py", True)], [str(w.message) for w in ours]
     np.testing.assert_array_equal(np.asarray(got), want)
+    flush()
     assert path.read_bytes() != content  # rewritten
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxpar.JaxparWarning)

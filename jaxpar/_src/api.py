@@ -106,8 +106,10 @@ class Compiled:
     in_shardings: tuple[Any, ...]  # flat, per dynamic leaf
     timings: Mapping[str, float]  # seconds: trace, search (plan), executable (its loading)
     loaded: Loaded | None = None  # the executable loaded from the plan cache
-    # (directory, key) while the executable is still to be stored in the plan cache
-    pending: list[tuple[str, ExecutableKey]] = dataclasses.field(default_factory=list)
+    # (directory, key, pre-key) while the executable is still to be stored in the plan cache:
+    # once stored, the pre-key's index names it (prefetch.py)
+    pending: list[tuple[str, ExecutableKey, str | None]] = dataclasses.field(
+        default_factory=list)
 
     @property
     def jitted(self) -> Any:
@@ -206,9 +208,10 @@ class Parallelized:
 
     # -- internals ----------------------------------------------------------------------------
     def _compile_to_keep(self, entry: Compiled, full: list
-                         ) -> tuple[str, ExecutableKey, Any] | None:
+                         ) -> tuple[str, ExecutableKey, Any, str | None] | None:
         """Compiles the entry's program: the directory, key and executable to store in the plan
-        cache (``executable_cache.py``), or ``None`` (nothing to keep).  The call stores it
+        cache (``executable_cache.py``) and the pre-key whose index is to name it once stored
+        (``prefetch.py``), or ``None`` (nothing to keep).  The call stores it
         after dispatching the step (:func:`store_in_background`): the serialization holds the
         GIL for most of its time (starting the writer waited 0.2 s of its 0.26 s at 6 GPT
         layers, 0.4-0.5 s CPU at 24), which the call then spends while the step runs instead
@@ -217,10 +220,10 @@ class Parallelized:
         caches, and no abstract copy of the arguments is made (880 leaves of a 24-layer GPT)."""
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(full)):
             return None  # called inside a transformation: no executable of its own to keep
-        directory, key = entry.pending.pop()
+        directory, key, ahead = entry.pending.pop()
         # kept in the plan cache, which a later process reads: not also in JAX's cache
         compiled = compile_to_keep(entry.jitted.lower(*full), jax_cache_write=False)
-        return None if compiled is None else (directory, key, compiled)
+        return None if compiled is None else (directory, key, compiled, ahead)
 
     def _placed(self, args: tuple, entry: Compiled, place: Callable[[Any, Any], Any] | None = None
                 ) -> list:
@@ -346,7 +349,7 @@ class Parallelized:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
         loaded: Loaded | None = None
-        pending: list[tuple[str, ExecutableKey]] = []
+        pending: list[tuple[str, ExecutableKey, str | None]] = []
         if rung is not None:  # the chosen rung's jitted function, its executable compiled
             flat_in = rung.in_shardings  # (lowering reads plan.decisions)
             build = _given(rung.jitted)

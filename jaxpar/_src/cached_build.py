@@ -9,10 +9,13 @@
   ``plan_cache.py``), or for a program with ``jaxpar.recompute(policy="auto")`` blocks the
   recompute choice and its plan (:func:`stored_choice`);
 * after the plan, the executable stored beside it (:func:`stored_executable`): the one read
-  ahead if its key is the full key, else loaded (``executable_cache.py``); without one, the
-  call compiles it and keeps it for the next process (``pending``); a recompute choice compiled
-  while it was chosen is kept at once (:func:`keep_compiled`).  Either way the index of the
-  pre-key is made to name it (:func:`index`).
+  ahead if its key is the full key, else loaded (``executable_cache.py``), and then the index
+  of the pre-key is made to name it (:func:`index`); without one, the call compiles it and keeps
+  it for the next process (``pending``), and a recompute choice compiled while it was chosen is
+  kept at once (:func:`keep_compiled`): the index is then written once the executable is
+  (:func:`~jaxpar._src.executable_cache.store_executable`), so that an index only ever names an
+  executable that was in the plan cache (``.plan()`` alone, which compiles nothing, writes
+  none; pruning deletes an index whose executable is gone).
 
 Every function here reads or writes only the plan cache; tracing, planning and lowering stay
 in ``api.py`` (passed in as callables where a stored entry needs a program traced again).
@@ -113,25 +116,29 @@ def keep_compiled(cache_dir: str | None, key: CacheKey | None, text_sha: str | N
                   prefetch: Prefetch | None) -> None:
     """Keeps ``kept``, the executable XLA compiled in this process for the recompute choice
     stored under ``key`` (``None``: JAX's persistent cache served it, which is not kept),
-    beside the entry, and names it in the pre-key's index."""
+    beside the entry; once written, the index of pre-key ``ahead`` names it."""
     if cache_dir and key is not None and text_sha is not None and storable() and \
             kept is not None:  # kept beside the entry the choice is stored in
         exec_key = _executable_key(key, text_sha, signature, info, mesh)
-        store_in_background(cache_dir, exec_key, kept, api=info.api)
-        index(cache_dir, ahead, prefetch, exec_key, api=info.api)
+        store_in_background(cache_dir, exec_key, kept, ahead, api=info.api)
 
 
 def stored_executable(cache_dir: str | None, key: CacheKey | None, text_sha: str | None,
                       plan: ShardingPlan, *, hit: bool, args: tuple, signature: tuple,
                       info: Any, mesh: Mesh, out_tree: Any, build: Callable[[], Any],
                       ahead: str | None, prefetch: Prefetch | None
-                      ) -> tuple[Loaded | None, list[tuple[str, ExecutableKey]], ShardingPlan]:
+                      ) -> tuple[Loaded | None, list[tuple[str, ExecutableKey, str | None]],
+                                 ShardingPlan]:
     """The executable beside the plan entry of ``key`` (``executable_cache.py``): on a hit, the
     one read ahead if its key is the full key, exactly, else the one loaded; the plan's last
-    note then says so.  Without one, ``(directory, key)`` for the call to compile and keep
-    (``pending``).  ``build``: the plan's jitted function, which a loaded executable's
-    :class:`Loaded` falls back to."""
-    loaded, pending = None, []
+    note then says so, and the index of pre-key ``ahead`` names it.  Without one,
+    ``(directory, key, ahead)`` for the call to compile and keep (``pending``): the index is
+    written with the executable, not before it (a ``.plan()`` that is never called compiles
+    nothing, and an index naming nothing would only send the next process's read ahead
+    after a file that is not there).  ``build``: the plan's jitted function, which a loaded
+    executable's :class:`Loaded` falls back to."""
+    loaded: Loaded | None = None
+    pending: list[tuple[str, ExecutableKey, str | None]] = []
     if cache_dir and key is not None and text_sha is not None and storable():
         # the executable beside the plan (executable_cache.py)
         exec_key = _executable_key(key, text_sha, signature, info, mesh)
@@ -143,10 +150,10 @@ def stored_executable(cache_dir: str | None, key: CacheKey | None, text_sha: str
         if hit and compiled is None:
             compiled = load_executable(cache_dir, exec_key, in_tree, out_tree, devices,
                                        api=info.api)
-        index(cache_dir, ahead, prefetch, exec_key, api=info.api)
         if compiled is None:
-            pending.append((cache_dir, exec_key))
+            pending.append((cache_dir, exec_key, ahead))
         else:
+            index(cache_dir, ahead, prefetch, exec_key, api=info.api)
             loaded = Loaded(compiled, tree, signature, info.static_argnums, build)
             plan = dataclasses.replace(plan, notes=plan.notes[:-1] + (
                 f"{plan.notes[-1]}; {LOADED_NOTE} ({exec_key.path(cache_dir)}), not "

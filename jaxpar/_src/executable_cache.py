@@ -30,7 +30,8 @@ the first call runs the step while its executable is serialized and written; the
 waits for that thread before it exits.  Beside one plan entry at most :data:`KEEP_PER_PLAN` (4)
 executables are kept, the most recently written or loaded (:func:`prune`): each change of what
 keys an executable but not its plan (JAX's configuration, ``XLA_FLAGS``, ``donate_argnums``)
-adds one, and the older ones are deleted when a new one is written.
+adds one, and the older ones are deleted when a new one is written, with the pre-key indexes
+(``prefetch.py``) that name an executable no longer there.
 
 An executable that JAX's persistent compilation cache served (a process that found no plan, or
 no executable, but whose program JAX's cache holds) is not kept: serialized again it would not
@@ -158,10 +159,13 @@ def compile_to_keep(lowered: Any, *, jax_cache_write: bool = True) -> Any | None
     return None if hits else compiled
 
 
-def store_executable(directory: str, key: ExecutableKey, compiled: Any, *, api: str) -> bool:
-    """Writes ``compiled`` (a ``jax.stages.Compiled``) under ``key``, atomically, then prunes the
-    plan entry's older executables (:func:`prune`); an executable that cannot be serialized or a
-    directory that cannot be written warns once and the run goes on.  Whether it was written."""
+def store_executable(directory: str, key: ExecutableKey, compiled: Any,
+                     pre_key: str | None = None, *, api: str) -> bool:
+    """Writes ``compiled`` (a ``jax.stages.Compiled``) under ``key``, atomically, names it in the
+    index of ``pre_key`` (``prefetch.py``: written after the executable, an index never names
+    one not yet there), then prunes the plan entry's older executables and the indexes of
+    executables gone (:func:`prune`); an executable that cannot be serialized or a directory
+    that cannot be written warns once and the run goes on.  Whether it was written."""
     try:
         payload, _, _ = serialize_executable.serialize(compiled)
     except (ValueError, NotImplementedError, TypeError) as e:
@@ -173,11 +177,16 @@ def store_executable(directory: str, key: ExecutableKey, compiled: Any, *, api: 
     written = write_atomically(key.path(directory), FORMAT + header + payload,
                                what="executables", api=api)
     if written:
+        if pre_key is not None:
+            from jaxpar._src.prefetch import write_index  # (prefetch.py imports this module)
+
+            write_index(directory, pre_key, key, api=api)
         prune(directory, key.plan_digest)
     return written
 
 
-def store_in_background(directory: str, key: ExecutableKey, compiled: Any, *, api: str) -> None:
+def store_in_background(directory: str, key: ExecutableKey, compiled: Any,
+                        pre_key: str | None = None, *, api: str) -> None:
     """:func:`store_executable` in a thread of its own: the call that compiled the program runs
     it meanwhile instead of waiting for the executable to be serialized and written (0.6 s for
     a 24-layer GPT's 6.5 MB).  One write at a time (a new one waits for the last: at most one
@@ -186,7 +195,7 @@ def store_in_background(directory: str, key: ExecutableKey, compiled: Any, *, ap
     (:func:`flush`)."""
     def write() -> None:
         try:
-            store_executable(directory, key, compiled, api=api)
+            store_executable(directory, key, compiled, pre_key, api=api)
         except Exception as e:  # noqa: BLE001 - a cache never stops a run
             warn_once(f"executable-write:{type(e).__name__}",
                       f"{api}: the compiled program could not be kept in the plan cache "
@@ -216,14 +225,20 @@ def prune(directory: str, plan_digest: str, keep: int | None = None) -> list[str
     """Deletes all but the ``keep`` (default :data:`KEEP_PER_PLAN`) most recently written or
     loaded executables of the plan entry ``plan_digest`` (the others were compiled for another
     JAX configuration, ``XLA_FLAGS``, ``donate_argnums``, ...: each such change adds one, and
-    without a bound they would pile up beside the entry), and the entry's temporary files
-    older than an hour (left by a process killed while it wrote).  The paths deleted."""
+    without a bound they would pile up beside the entry), the entry's temporary files
+    older than an hour (left by a process killed while it wrote), and the pre-key indexes
+    of the directory that name an executable no longer there (``prefetch.py``: deleted here
+    or before; read ahead, they would only look for it).  The paths deleted."""
+    from jaxpar._src.prefetch import stale_indexes  # (prefetch.py imports this module)
+
     keep = KEEP_PER_PLAN if keep is None else keep
     prefix = f"{plan_digest}."
     found, stale = [], []
     now = time.time_ns()
+    names: list[str] = []
     with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
+        names = os.listdir(directory)
+        for name in names:
             path = os.path.join(directory, name)
             if name.startswith(prefix) and name.endswith(".xla"):
                 with contextlib.suppress(OSError):
@@ -237,6 +252,10 @@ def prune(directory: str, plan_digest: str, keep: int | None = None) -> list[str
     found.sort(reverse=True)
     gone = []
     for _, path in found[keep:] + [(0, p) for p in stale]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            gone.append(path)
+    for path in stale_indexes(directory, names):  # after the executables: theirs too
         with contextlib.suppress(OSError):
             os.unlink(path)
             gone.append(path)

@@ -20,13 +20,18 @@ exactly (:meth:`Prefetch.take`, which then reads the rest of the file in the cal
 otherwise it is dropped and the executable is loaded as before.  The pre-key only guesses: a
 wrong guess costs the thread's work, never a wrong executable.
 
-An index that cannot be read (not JSON, another format, a name that is not an executable's) is
-ignored with a :class:`JaxparWarning` and rewritten; a missing one (a first run) starts no
-thread.  A file the thread cannot read or deserialize is dropped silently: the load that follows
-reads it again and warns as ``executable_cache.py`` does.  Under ``jax.distributed`` nothing is
-read ahead (executables are not kept).  The thread is not a daemon (XLA's deserialization cannot
-be interrupted), so a process that exits meanwhile waits for it: at most one executable's
-deserialization; a guess found wrong before the thread reaches XLA stops it there.
+An index is written only once the executable it names is in the plan cache (after the first
+call's background write, ``executable_cache.store_executable``, or when a later process loads
+it): a ``.plan()`` that compiles nothing writes none.  Pruning (``executable_cache.prune``)
+deletes the indexes whose executable is gone (:func:`stale_indexes`), so they do not outlive
+it.  An index that cannot be read (not JSON, another format, a name that is not an
+executable's) is ignored with a :class:`JaxparWarning` and rewritten; a missing one (a first
+run) starts no thread.  A file the thread cannot read or deserialize is dropped silently: the
+load that follows reads it again and warns as ``executable_cache.py`` does.  Under
+``jax.distributed`` nothing is read ahead (executables are not kept).  The thread is not a
+daemon (XLA's deserialization cannot be interrupted), so a process that exits meanwhile waits
+for it: at most one executable's deserialization; a guess found wrong before the thread
+reaches XLA stops it there.
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -43,7 +48,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxpar._src.compat import load_prefetched, prefetch_xla_executables
@@ -105,6 +110,38 @@ def read_index(directory: str, key: str, *, api: str) -> str | None:
         _ignored(api, path, f"it is not a {INDEX_FORMAT} index naming an executable")
         return None
     return name
+
+
+def stale_indexes(directory: str, names: Iterable[str]) -> list[str]:
+    """The paths of the indexes among the file ``names`` of ``directory`` that name an
+    executable no longer there (pruned, ``executable_cache.prune``, or deleted by hand): an
+    index is written only once its executable is, so one whose executable is missing is
+    stale for good.  An index that is not a readable one is left to :func:`read_index`, which
+    warns and has it rewritten.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> gone = "0" * 64 + "." + "1" * 64 + ".xla"
+    >>> with open(index_path(d, "2" * 64), "w") as f:
+    ...     _ = f.write(json.dumps({"format": INDEX_FORMAT, "executable": gone}))
+    >>> [os.path.basename(p) for p in stale_indexes(d, os.listdir(d))] == ["2" * 64 + ".last"]
+    True
+    """
+    stale = []
+    for file in names:
+        if not file.endswith(".last"):
+            continue
+        path = os.path.join(directory, file)
+        try:
+            read = read_json(path)
+        except Unusable:
+            continue
+        data = read[0] if read is not None else None
+        name = data.get("executable") if isinstance(data, dict) else None
+        if isinstance(name, str) and _NAME.fullmatch(name) and \
+                not os.path.exists(os.path.join(directory, name)):
+            stale.append(path)
+    return stale
 
 
 def write_index(directory: str, key: str, executable: ExecutableKey, *, api: str) -> None:
