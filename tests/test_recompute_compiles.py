@@ -17,7 +17,7 @@ import pytest
 
 import jaxpar
 from jaxpar._src import api
-from jaxpar._src.executable_cache import LOADED_NOTE
+from jaxpar._src.executable_cache import LOADED_NOTE, flush
 from jaxpar._src.plan_cache import HIT_NOTE
 from tests.test_recompute import BATCH, LAYERS, D, F, block, make_step
 
@@ -169,6 +169,10 @@ def test_the_plan_cache_keeps_the_choice(data, climbed, cache_dir, monkeypatch):
     # the chosen rung's executable, kept by the first run: nothing lowered, nothing compiled
     assert compiles == [] and LOADED_NOTE in plan.notes[-1], plan.notes[-1]
     _close(got, want)
+    flush()  # the indexes (prefetch.py) name executables in the plan cache, none missing
+    named = [json.loads(p.read_text())["executable"] for p in cache_dir.iterdir()
+             if p.suffix == ".last"]
+    assert named and all((cache_dir / n).exists() for n in named), named
     other = _auto(climbed["mesh"])
     with _budget(0.9 * climbed["peak0"]):  # another budget: another key, the ladder again
         plan = other.plan(params, x)

@@ -355,7 +355,7 @@ class Parallelized:
             build = _given(rung.jitted)
             # where XLA compiled it in this process, kept beside the entry of the choice
             keep_compiled(cache_dir, key, text_sha, rung.executable, signature=signature,
-                          info=info, mesh=mesh, ahead=ahead, prefetch=prefetch)
+                          info=info, mesh=mesh, ahead=ahead)
         else:
             in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
                          for n in program.graph.inputs]

@@ -112,8 +112,8 @@ def stored_choice(cache_dir: str, key: CacheKey, base: TracedProgram, base_batch
 
 
 def keep_compiled(cache_dir: str | None, key: CacheKey | None, text_sha: str | None,
-                  kept: Any, *, signature: tuple, info: Any, mesh: Mesh, ahead: str | None,
-                  prefetch: Prefetch | None) -> None:
+                  kept: Any, *, signature: tuple, info: Any, mesh: Mesh, ahead: str | None
+                  ) -> None:
     """Keeps ``kept``, the executable XLA compiled in this process for the recompute choice
     stored under ``key`` (``None``: JAX's persistent cache served it, which is not kept),
     beside the entry; once written, the index of pre-key ``ahead`` names it."""
