@@ -147,10 +147,10 @@ def _state_copy(draft: Draft, mesh: MeshShape) -> float:
     pins it (``optimizer_parallel.optimizer_pins``: the stacked ``[S, v, k, ...]`` on its first
     later dimension that divides, the rest on dimension 0, over the data-parallel axes), else
     whole as the weights.  Per argument leaf the layer's and the rest's values are read from
-    (through reshapes: ``stacked._through_reshapes``), once; a value the loss computes (a
+    (through reshapes: ``stacked.through_reshapes``), once; a value the loss computes (a
     layer's attention mask) has none."""
-    from jaxpar._src.optimizer_parallel import _stacked_dim
-    from jaxpar._src.pipeline.stacked import _through_reshapes
+    from jaxpar._src.optimizer_parallel import stacked_dim
+    from jaxpar._src.pipeline.stacked import through_reshapes
 
     opt, graph = draft.optimizer, draft.graph
     # ZeRO's data-parallel axes are those the step splits the batch's rows over: the pipelined
@@ -162,7 +162,7 @@ def _state_copy(draft: Draft, mesh: MeshShape) -> float:
     seen: set[int] = set()  # a parameter read twice (as it is and reshaped) has one copy
     for vid, stacked in [(draft.rep_layer.weights[p], True) for p in draft.stacked] + \
             [(r, False) for r in draft.rest]:
-        vid = _through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
+        vid = through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
         w = graph.values[vid]
         if vid in seen or vid not in inputs or not _inexact(w):
             continue  # read twice, a layer's constant (an attention mask), or an integer
@@ -172,7 +172,7 @@ def _state_copy(draft: Draft, mesh: MeshShape) -> float:
             one = v * k * local_bytes(w, spec, mesh)
             if opt is not None:
                 aval = jax.ShapeDtypeStruct((S, v, k) + tuple(w.shape), w.dtype)
-                _, axes = _stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
+                _, axes = stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
                 one /= mesh.product(axes)
         else:
             axes = opt.split_axes(w.shape, w.dtype, spec, dp, mesh) if opt is not None else ()
