@@ -38,9 +38,10 @@ step's arguments (parameters, optimizer state, split by ZeRO as planned), result
 temporaries, and the loop, whose arrays share the output allocations of the step made after
 the loop (the updated weights and Adam moments), as XLA's buffer assignment puts them there
 (:func:`loop_temporaries`).  Against ``compiled.memory_analysis()``
-(``bench/pipeline_memory.py``, README): 0.986-1.080 of the compiled total on the 18 GPT rows
-(GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off and level 1, stored and recomputed
-residuals, row groups on and off), where the loop as one temporary, sharing no output, was
+(``bench/pipeline_memory.py``, README): 0.986-1.080 of the compiled total on the 19 GPT rows
+(GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off, level 1 and 3, stored and recomputed
+residuals, row groups on and off; the interleaved ones 1.042-1.065 with the stage's weights
+copied into the loop, 0.989-1.039 before), where the loop as one temporary, sharing no output, was
 0.953-1.164 (over by 10-16% on the three that recompute with row groups).  Not counted: the
 zeros a backward's weight gradients start from and XLA's heap fragmentation (under), an
 accumulator XLA keeps in fewer bytes (over).  The zeros are broadcasts that start the
