@@ -13,7 +13,7 @@ compiled program: arguments, outputs, temporaries and total (``jaxpar.inspect.me
 temporary of the loop operator), its ratio to the compiled total, and the loop's parts: residual
 slots, activation and cotangent slots (the peak activation memory a schedule keeps between
 ticks), gradient accumulators beyond the loop's results, one tick's transient, at level 3 the
-gathered stage weights' second copy.  "without
+gathered stage weights' second copy, interleaved the stage's weights copied into the loop.  "without
 loop": the same prediction less the loop's parts (the step's model alone, which sees the loop's
 operands and results only).
 
@@ -32,7 +32,7 @@ residual leaves the loop's probe found instead of the check's own estimate (one 
 Microseconds: CPU time of one check (``time.process_time``, median of 7 rounds of 20, before
 and after alternating).
 
-    python bench/pipeline_memory.py [--quick]      (bench/run.py runs it too)
+    python bench/pipeline_memory.py [--quick | --rows 3,12 | --table]   (bench/run.py runs it)
 """
 
 from __future__ import annotations
@@ -185,19 +185,22 @@ def measure(S: int, M: int, schedule: str, interleave: bool, residuals: str, zer
             "residual_slots": loop.residual_slots,
             "activation_slots": loop.activation_slots + loop.cotangent_slots,
             "accumulators": loop.accumulators, "tick": loop.tick,
-            "weight_copies": loop.weight_copies, "seconds": seconds,
+            "weight_copies": loop.weight_copies, "stack_copy": loop.stack_copy,
+            "seconds": seconds,
             "early": early.total, "early_before": split_bytes_before(program),
             "early_parts": dataclasses.asdict(early), "early_probed": probed, "state": float(state),
             "early_state": early.state,
             "check_us_before": cost_before, "check_us": cost_after}
 
 
-def rows(quick: bool = False) -> list[dict]:
+def rows(quick: bool = False, only: list[int] | None = None) -> list[dict]:
+    """The rows of ``CASES`` (``quick``: those of ``QUICK``; ``only``: those indices), each
+    with its index (``"case"``)."""
     out = []
     for i, case in enumerate(CASES):
-        if quick and i not in QUICK:
+        if (quick and i not in QUICK) or (only is not None and i not in only):
             continue
-        out.append(measure(*case))
+        out.append(dict(measure(*case), case=i))
         r = out[-1]
         print(f"pipeline memory {case}: predicted {r['predicted'] / 2**10:.1f} KiB, compiled "
               f"{r['total'] / 2**10:.1f} KiB ({r['predicted'] / r['total']:.3f}), "
@@ -216,7 +219,8 @@ def table(rows: list[dict]) -> list[str]:
              "batch. KiB per device. Compiled: `jaxpar.inspect.memory` (arguments + outputs + "
              "temporaries). Loop parts predicted (`plan.pipeline.memory`): residual "
              "slots, activation + cotangent slots, accumulators beyond the loop's results, "
-             "one tick, copies (ZeRO level 3: the gathered stage weights' second copy). "
+             "one tick, copies (ZeRO level 3: the gathered stage weights' second copy; "
+             "interleaved: the stage's weights copied into the loop). "
              "Without loop: the prediction less the loop's parts.",
              "",
              "| S | M | rows | schedule | residuals | ZeRO | groups | split | args | out | "
@@ -235,7 +239,8 @@ def table(rows: list[dict]) -> list[str]:
             f"{k('output')} | {k('temp')} | {k('total')} | {k('predicted')} | "
             f"{r['predicted'] / r['total']:.3f} | {r['without_loop'] / r['total']:.3f} | "
             f"{k('residual_slots')} | {k('activation_slots')} | {k('accumulators')} | "
-            f"{k('tick')} | {r.get('weight_copies', 0.0) / 2**10:.1f} |")
+            f"{k('tick')} | "
+            f"{(r.get('weight_copies', 0.0) + r.get('stack_copy', 0.0)) / 2**10:.1f} |")
     lines += ["", "## The split's memory check before the loop is traced: early estimate vs "
               "compiled", "",
               "KiB per device, the chosen split. Early: `plan.pipeline.split.memory_bytes` "
@@ -267,13 +272,28 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """``--quick``: the rows of ``QUICK``; ``--rows 3,12``: those rows alone, merged by index
+    into ``bench/results/pipeline_memory.json`` (compiles are slow: one row per process keeps
+    each one's memory its own); ``--table``: the tables of that file, nothing run."""
     argv = sys.argv[1:] if argv is None else argv
-    result = {"pipeline_memory": rows("--quick" in argv)}
-    if __name__ == "__main__":
-        out = os.path.join(ROOT, "bench", "results")
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "pipeline_memory.json"), "w") as f:
+    path = os.path.join(ROOT, "bench", "results", "pipeline_memory.json")
+    only = [int(i) for i in argv[argv.index("--rows") + 1].split(",")] if "--rows" in argv \
+        else None
+    if "--table" in argv:
+        with open(path) as f:
+            result = json.load(f)
+    else:
+        result = {"pipeline_memory": rows("--quick" in argv, only)}
+    if __name__ == "__main__" and "--table" not in argv:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if only is not None and os.path.exists(path):  # the other rows as they were
+            with open(path) as f:
+                kept = [r for r in json.load(f)["pipeline_memory"] if r.get("case") not in only]
+            result["pipeline_memory"] = sorted(kept + result["pipeline_memory"],
+                                               key=lambda r: r.get("case", -1))
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
+    if __name__ == "__main__":
         print("\n".join(table(result["pipeline_memory"])))
     return result
 

@@ -149,7 +149,7 @@ def _stacked_leaves(args: Sequence[Any], static: Sequence[int]) -> dict[int, Spe
     return out
 
 
-def _stacked_dim(opt: OptimizerParallel, value: Any, base: Spec, dp_axes: Sequence[str],
+def stacked_dim(opt: OptimizerParallel, value: Any, base: Spec, dp_axes: Sequence[str],
                  mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
     """Where a pipeline's stacked weight (``jaxpar.StackedParams``: ``[S, v, k, ...]`` laid out
     ``base``, dimension 0 over ``"pp"``, one row per stage) is split further: its first later
@@ -318,7 +318,7 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
             dim = 0
             if leaf in stacked and k is None:
                 base = stacked[leaf]
-                dim, axes = _stacked_dim(opt, value, base, dp_axes, mesh)
+                dim, axes = stacked_dim(opt, value, base, dp_axes, mesh)
             else:
                 axes = opt.split_axes(value.shape, value.dtype, base, dp_axes, mesh)
             if not axes:

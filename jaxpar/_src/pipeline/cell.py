@@ -176,6 +176,7 @@ class PipelineCell:
         weights of optimizer state (``stack(opt_state=)``), else those its stacking counted,
         else those among the arguments of the step ``parallelize`` traces."""
         config, mesh, mode, search_mode, hardware, tr = found
+        stacking = copies is not None  # cell.stack: the step will pass a StackedParams
         # outside parallelize's trace (cell.stack) the context's parallel optimizer, as the
         # step will trace it: the split's memory check counts ZeRO's terms (early.py), so the
         # weights are stacked for the split the step's pipeline chooses
@@ -198,13 +199,16 @@ class PipelineCell:
         elif tr is not None and tr.args is not None:  # less the parameters themselves
             copies = max([copies_of(a, tr.args) - 1 for i, a in enumerate(args)
                           if i not in batch_argnums] + [0])
-        key = base + (copies or 0,)
+        # called with each layer's weights (not stacked, nor stacking them): every stage
+        # holds all of them and their gradients, which the split's memory check counts
+        per_layer = not stacking and not any(isinstance(a, StackedParams) for a in args)
+        key = base + (copies or 0, per_layer)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = build_program(
                 self.fn, avals, batch_argnums=batch_argnums, config=config, mesh=mesh,
                 mode=mode, search_mode=search_mode, hardware=hardware, where=where,
-                optimizer=optimizer, state_copies=copies or 0)
+                optimizer=optimizer, state_copies=copies or 0, per_layer=per_layer)
         self.last_program = program
         if tr is not None:
             tr.built.append(program)

@@ -11,7 +11,9 @@ memory model (``memory.loop_memory``) reads, with that ``k``, its scatters and w
 splits the weights, and :func:`early_memory` counts, per device:
 
 * **weights**: the stacked ones ``[v, k, ...]`` as the step passes them (split over the row axes
-  at level 3, like their moments) and the rest;
+  at level 3, like their moments) and the rest; where the step passes each layer's weights
+  (``Draft.per_layer``: no ``StackedParams``), every layer's too, whole over ``"pp"``
+  (each stage holds all of them), with their gradients and optimizer state;
 * **gathered**: at level 3 the stacked weights the step gathers whole before the loop;
 * **gradients**: the loop's results, the stacked ones reduce-scattered over the row axes where
   ZeRO splits them (``1/G``), the rest's as their accumulators are laid out;
@@ -20,8 +22,8 @@ splits the weights, and :func:`early_memory` counts, per device:
   from the leaves ``jax.vjp`` of one layer keeps (``residuals.layer_stored``): the slots,
   the row groups' ``[v, G, k, ...]`` accumulators and the reduce-scatter's operand, the
   rest's per-group gradients, one tick
-  (with the zeros its weight gradients start from), and level 3's second copy of the gathered
-  weights.
+  (with the zeros its weight gradients start from), level 3's second copy of the gathered
+  weights, and, interleaved, the stage's ``[v, k, ...]`` weights copied into the loop's state.
 
 * **state**: the optimizer state's copies of the weights (``Draft.state_copies``: Adam's
   moments, two) where they are known (``PipelineCell.stack(opt_state=)``, or the traced step's
@@ -30,8 +32,8 @@ splits the weights, and :func:`early_memory` counts, per device:
 Left out: the step's own temporaries; the step's plan counts them (``plan.memory_bytes``).
 A layer's stored residuals, once every operator result of the layer (26.1 KiB against the
 probe's 13.9 on the bench's GPT), are the leaves ``jax.vjp`` of one layer keeps (13.4 KiB;
-equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.935-1.058
-of the compiled total on the six bench rows run (README), 0.741-1.024 without it.
+equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.950-1.058
+of the compiled total on the 19 bench rows (README; mean |error| 1.6%), 0.741-1.024 without it.
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
@@ -103,6 +105,7 @@ class Draft(LayerView):
     id: int = 0
     state_copies: int = 0  # the optimizer state's copies of the weights (Adam: 2), if known
     optimizer: Any = None  # jaxpar.OptimizerParallel (ZeRO): how it splits those copies
+    per_layer: bool = False  # the step passes each layer's weights, not a StackedParams
 
 
 def early_memory(draft: Draft) -> EarlyMemory:
@@ -112,6 +115,7 @@ def early_memory(draft: Draft) -> EarlyMemory:
     graph = draft.graph
     split = {j: mesh.product(axes) for j, _, axes in draft.scatters}
     weights = gathered = grads = 0.0
+    leaves = _leaves(draft) if draft.per_layer else set()
     for j, pos in enumerate(draft.stacked):
         w = graph.values[draft.rep_layer.weights[pos]]
         whole = v * k * local_bytes(w, draft.spec(w.id), mesh)
@@ -122,6 +126,10 @@ def early_memory(draft: Draft) -> EarlyMemory:
             weights += whole
         if _inexact(w):
             grads += whole / split.get(j, 1)
+        if w.id in leaves:  # every layer's own: the argument and its gradient, beside the stack
+            every = len(draft.layers.layers) * local_bytes(w, draft.spec(w.id), mesh)
+            weights += every
+            grads += every if _inexact(w) else 0.0
     rest_split = {i: (dim, axes) for i, dim, axes in draft.rest_scatters}
     for i, vid in enumerate(draft.rest):
         value = graph.values[vid]
@@ -147,10 +155,10 @@ def _state_copy(draft: Draft, mesh: MeshShape) -> float:
     pins it (``optimizer_parallel.optimizer_pins``: the stacked ``[S, v, k, ...]`` on its first
     later dimension that divides, the rest on dimension 0, over the data-parallel axes), else
     whole as the weights.  Per argument leaf the layer's and the rest's values are read from
-    (through reshapes: ``stacked._through_reshapes``), once; a value the loss computes (a
+    (through reshapes: ``stacked.through_reshapes``), once; a value the loss computes (a
     layer's attention mask) has none."""
-    from jaxpar._src.optimizer_parallel import _stacked_dim
-    from jaxpar._src.pipeline.stacked import _through_reshapes
+    from jaxpar._src.optimizer_parallel import stacked_dim
+    from jaxpar._src.pipeline.stacked import through_reshapes
 
     opt, graph = draft.optimizer, draft.graph
     # ZeRO's data-parallel axes are those the step splits the batch's rows over: the pipelined
@@ -162,23 +170,41 @@ def _state_copy(draft: Draft, mesh: MeshShape) -> float:
     seen: set[int] = set()  # a parameter read twice (as it is and reshaped) has one copy
     for vid, stacked in [(draft.rep_layer.weights[p], True) for p in draft.stacked] + \
             [(r, False) for r in draft.rest]:
-        vid = _through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
+        vid = through_reshapes(graph, vid)  # the parameter leaf, as the state holds it
         w = graph.values[vid]
         if vid in seen or vid not in inputs or not _inexact(w):
             continue  # read twice, a layer's constant (an attention mask), or an integer
         seen.add(vid)
         spec = draft.spec(vid)
-        if stacked:
+        if stacked and draft.per_layer:  # each layer's state, laid out as its weight's
+            axes = opt.split_axes(w.shape, w.dtype, spec, dp, mesh) if opt is not None else ()
+            one = len(draft.layers.layers) * local_bytes(w, spec, mesh) / mesh.product(axes)
+        elif stacked:
             one = v * k * local_bytes(w, spec, mesh)
             if opt is not None:
                 aval = jax.ShapeDtypeStruct((S, v, k) + tuple(w.shape), w.dtype)
-                _, axes = _stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
+                _, axes = stacked_dim(opt, aval, Spec(((AXIS,), (), ()) + spec.dims), dp, mesh)
                 one /= mesh.product(axes)
         else:
             axes = opt.split_axes(w.shape, w.dtype, spec, dp, mesh) if opt is not None else ()
             one = local_bytes(w, spec, mesh) / mesh.product(axes)
         total += one
     return total
+
+
+def _leaves(draft: Draft) -> set[int]:
+    """The representative layer's stacked weights that are argument leaves (through reshapes),
+    as the step passes them when it passes each layer's weights (``Draft.per_layer``)."""
+    from jaxpar._src.pipeline.stacked import through_reshapes
+
+    graph = draft.graph
+    inputs = {graph.nodes[nid].outputs[0] for nid in graph.inputs}
+    out = set()
+    for pos in draft.stacked:
+        vid = draft.rep_layer.weights[pos]
+        if through_reshapes(graph, vid) in inputs:
+            out.add(vid)
+    return out
 
 
 def most_slots(need: Any, budget: float, *, layers: int, chunks: int) -> tuple[int, bool]:
@@ -228,4 +254,5 @@ def draft_of(program: Any) -> Draft:
                  program.schedule, program.rest, program.batch, program.carried_in,
                  program.stacked, program.groups, program.ends, program.scatters,
                  program.rest_scatters, program.params_split, program.micro_size,
-                 state_copies=program.state_copies, optimizer=program.optimizer)
+                 state_copies=program.state_copies, optimizer=program.optimizer,
+                 per_layer=program.per_layer)

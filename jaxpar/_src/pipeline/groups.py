@@ -199,7 +199,7 @@ def gradient_scatters(groups: RowGroups, optimizer: Any, weights: Sequence[Any],
     import jax
     import jax.numpy as jnp
 
-    from jaxpar._src.optimizer_parallel import _stacked_dim
+    from jaxpar._src.optimizer_parallel import stacked_dim
 
     if not groups.on or optimizer is None or optimizer.level < 1:
         return ()
@@ -209,7 +209,7 @@ def gradient_scatters(groups: RowGroups, optimizer: Any, weights: Sequence[Any],
         if j in stretched or not jnp.issubdtype(w.dtype, jnp.inexact):
             continue
         stacked = jax.ShapeDtypeStruct(tuple(grid) + tuple(w.shape), w.dtype)
-        dim, axes = _stacked_dim(optimizer, stacked, strip(spec, groups.axes), groups.axes,
+        dim, axes = stacked_dim(optimizer, stacked, strip(spec, groups.axes), groups.axes,
                                  mesh)
         # a shard group smaller than the row axes (optimizer_weight_shard_size) would leave
         # the other row groups unsummed: all-reduce, and the update takes its slice

@@ -23,6 +23,9 @@ allocates inside is not; :func:`loop_memory` models it from the schedule's slot 
   are written to their slot; the backward's weight gradients (the chunk's and the rest's)
   before they are added to the accumulators, and the residuals it reads: sliced out of their
   slot, or, recomputing, the whole chunk's, remade.
+* **the stage's stack, interleaved** (``v > 1``): the stage's ``[v, k, ...]`` weights, which
+  XLA copies into the loop's state for the whole loop (its ticks slice the repeat they run
+  out of it; the ``v = 1`` loop reads the argument as it is): :func:`_stack_copy_arrays`.
 
 Before the loop is traced (the split's memory check, ``early.py``, calls :func:`loop_memory`
 on a draft of the program per candidate split) a layer's stored residuals are estimated
@@ -35,9 +38,10 @@ step's arguments (parameters, optimizer state, split by ZeRO as planned), result
 temporaries, and the loop, whose arrays share the output allocations of the step made after
 the loop (the updated weights and Adam moments), as XLA's buffer assignment puts them there
 (:func:`loop_temporaries`).  Against ``compiled.memory_analysis()``
-(``bench/pipeline_memory.py``, README): 0.986-1.080 of the compiled total on the 18 GPT rows
-(GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off and level 1, stored and recomputed
-residuals, row groups on and off), where the loop as one temporary, sharing no output, was
+(``bench/pipeline_memory.py``, README): 0.986-1.080 of the compiled total on the 19 GPT rows
+(GPipe, 1F1B, interleaved, S = 2 and 4, ZeRO off, level 1 and 3, stored and recomputed
+residuals, row groups on and off; the interleaved ones 1.042-1.065 with the stage's weights
+copied into the loop, 0.989-1.039 before), where the loop as one temporary, sharing no output, was
 0.953-1.164 (over by 10-16% on the three that recompute with row groups).  Not counted: the
 zeros a backward's weight gradients start from and XLA's heap fragmentation (under), an
 accumulator XLA keeps in fewer bytes (over).  The zeros are broadcasts that start the
@@ -99,6 +103,8 @@ class LoopMemory:
       weight_copies: ZeRO level 3: the second copy XLA makes of the gathered stage weights
         where one scan runs forward and backward ticks on one chunk per stage
         (:func:`_weight_copies`).
+      stack_copy: interleaved (``v > 1``): the stage's ``[v, k, ...]`` weights copied into
+        the loop's state, whose ticks index the repeat (:func:`_stack_copy_arrays`).
       arrays: once traced, the bytes of each array the parts are made of (a residual leaf's
         slots, a carried value's, an accumulator, a tick's copied weight, weight gradient,
         rest gradient and residual leaf): they sum to ``total``; empty before tracing.  The
@@ -119,11 +125,12 @@ class LoopMemory:
     how: str = "layer vjp"
     weight_copies: float = 0.0
     arrays: tuple[float, ...] = ()
+    stack_copy: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.residual_slots + self.activation_slots + self.cotangent_slots
-                + self.accumulators + self.tick + self.weight_copies)
+                + self.accumulators + self.tick + self.weight_copies + self.stack_copy)
 
     def explain(self) -> str:
         """One line for ``plan.pipeline.explain()``."""
@@ -134,7 +141,9 @@ class LoopMemory:
                 f"{b(self.activation_slots + self.cotangent_slots)}, gradient "
                 f"accumulators {b(self.accumulators)}, one tick {b(self.tick)}"
                 + (f", gathered weights' second copy {b(self.weight_copies)}"
-                   if self.weight_copies else ""))
+                   if self.weight_copies else "")
+                + (f", the stage's weights copied into the loop {b(self.stack_copy)}"
+                   if self.stack_copy else ""))
 
 
 def estimate(schedule: PipelineSchedule, *, slots: int, layer_bytes: float,
@@ -240,7 +249,9 @@ def loop_memory(program: Any, *, backward: bool = True) -> LoopMemory:
                  recompute=recompute, extra_grad_bytes=_extra_grads(program, mesh),
                  tick_grad_bytes=sum(_tick_grads(program, mesh)))
     m = dataclasses.replace(m, how="traced" if traced is not None else "layer vjp",
-                            weight_copies=_weight_copies(program, mesh) if backward else 0.0)
+                            weight_copies=_weight_copies(program, mesh) if backward else 0.0,
+                            stack_copy=sum(_stack_copy_arrays(program, mesh)) if backward
+                            else 0.0)
     if traced is None or not backward:
         return m
     return _with_arrays(program, m, mesh, *traced[2:])
@@ -275,7 +286,7 @@ def _with_arrays(program: Any, m: LoopMemory, mesh: MeshShape, stored: tuple[flo
     backward = copy + grads + _tick_grads(program, mesh) + list(full if recompute else stored)
     tick = forward if sum(forward) > sum(backward) else backward
     arrays = tuple(slots + _extra_grad_arrays(program, mesh) + tick
-                   + _weight_copy_arrays(program, mesh))
+                   + _weight_copy_arrays(program, mesh) + _stack_copy_arrays(program, mesh))
     return dataclasses.replace(m, tick=sum(tick), arrays=arrays)
 
 
@@ -302,6 +313,25 @@ def _weight_copy_arrays(program: Any, mesh: MeshShape) -> list[float]:
     weights = [program.graph.values[program.rep_layer.weights[program.stacked[j]]]
                for j, _, _ in program.scatters]
     return [program.split.slots * local_bytes(w, program.spec(w.id), mesh) for w in weights]
+
+
+def _stack_copy_arrays(program: Any, mesh: MeshShape) -> list[float]:
+    """Interleaved (``v > 1``): each stacked weight's ``[v, k, ...]`` as the loop's state holds
+    it, a copy of the stage's share of the argument for the whole loop (its ticks
+    dynamic-slice the repeat they run out of it; at ZeRO level 3 the gathered ones are
+    relayed, not copied: :func:`_with_arrays`).  The buffer assignments of the GPT's S=4 M=16
+    1F1B ``v = 2`` step (``k = 1``) and S=2 M=4 GPipe ``v = 2`` (``k = 2``) hold a ``wrapped_copy``
+    of each stacked weight (the masks a broadcast) in the loop's layout through the loop,
+    none of the ``v = 1`` rows' (S=4 M=16 1F1B, ``k = 2``): without it the split's check was
+    0.935 and 0.953 of their compiled totals (``--xla_dump_to``, ``bench/pipeline_memory.py``)."""
+    v, k = program.config.repeats, program.split.slots
+    if v == 1:
+        return []
+    gathered = ({program.rep_layer.weights[program.stacked[j]] for j, _, _ in program.scatters}
+                if program.params_split else set())
+    values = [program.graph.values[program.rep_layer.weights[p]] for p in program.stacked]
+    return [v * k * local_bytes(w, program.spec(w.id), mesh) for w in values
+            if w.id not in gathered]
 
 
 def _extra_grads(program: Any, mesh: MeshShape) -> float:

@@ -93,6 +93,9 @@ class PipelineProgram(LayerView):
     # the optimizer state's copies of the weights the split's memory check counted (early.py)
     state_copies: int = 0
     optimizer: Any = None  # jaxpar.OptimizerParallel the program was built for (ZeRO)
+    # the step passes each layer's weights (not a StackedParams): the split's memory check
+    # counts every layer's weight, gradient and optimizer state whole over "pp" (early.py)
+    per_layer: bool = False
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
@@ -154,11 +157,12 @@ def sub_mesh(mesh: Mesh, where: str) -> Mesh:
 def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int, ...],
                   config: PipelineConfig, mesh: Mesh, mode: Any, search_mode: str,
                   hardware: HardwareProfile, where: str, optimizer: Any = None,
-                  state_copies: int = 0) -> PipelineProgram:
+                  state_copies: int = 0, per_layer: bool = False) -> PipelineProgram:
     """Traces, plans and splits ``fn(*args)`` (abstract arguments) for ``config``; with
     ``optimizer`` (``jaxpar.OptimizerParallel``) the stacked gradients are reduce-scattered;
     the split's memory check counts ``state_copies`` copies of the weights (the optimizer
-    state's: Adam's moments) laid out as ZeRO places them (early.py)."""
+    state's: Adam's moments) laid out as ZeRO places them, and, ``per_layer`` (the step
+    passes each layer's weights, not a ``StackedParams``), every layer's (early.py)."""
     from jaxpar._src.context import ParallelMode
 
     S, M = config.stages, config.micro_batches
@@ -256,7 +260,8 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                 schedule, parts["rest"], batch,
                 tuple(layers.layers[0].act_in) + parts["carried_shared"], layers.stacked,
                 groups, ends, scatters, rest_scatters, splits(scatters), rows,
-                state_copies=state_copies, optimizer=optimizer)).total
+                state_copies=state_copies, optimizer=optimizer,
+                per_layer=per_layer)).total
 
         assert hardware.memory_per_device is not None  # a profile fills every field
         max_slots, fits = most_slots(need, float(hardware.memory_per_device), layers=n,
@@ -279,7 +284,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        splits(scatters), state_copies, optimizer)
+        splits(scatters), state_copies, optimizer, per_layer)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups

@@ -138,7 +138,7 @@ def stack_groups(program: Any, n: int, offset: int) -> dict[int, tuple[int, ...]
     groups: dict[int, tuple[int, ...]] = {}
     taken: set[int] = set()
     for j in range(len(program.stacked)):
-        per_layer = [leaf_of.get(_through_reshapes(graph, v)) for v in program.stacked_values(j)]
+        per_layer = [leaf_of.get(through_reshapes(graph, v)) for v in program.stacked_values(j)]
         found = [x for x in per_layer if x is not None]
         if len(found) != len(per_layer) or len(set(found)) != len(found) or taken & set(found):
             continue  # derived in the step, or one leaf in two places: stacked in the step
@@ -151,7 +151,7 @@ def stack_groups(program: Any, n: int, offset: int) -> dict[int, tuple[int, ...]
 _RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 
 
-def _through_reshapes(graph: Any, vid: int) -> int:
+def through_reshapes(graph: Any, vid: int) -> int:
     """The value ``vid`` is a reshape of (same elements, same dtype), else ``vid``: stacking
     the source and reshaping the stack is the same array, with no data moved."""
     while True:
