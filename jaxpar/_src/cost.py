@@ -88,6 +88,9 @@ class CostModel:
         self.hw = hardware
         self._redistributions: dict[tuple, tuple[Collective, ...]] = {}
         self._splits: dict[OpStrategy, int] = {}  # devices each strategy splits its work over
+        # seconds of each collective priced, by kind, bytes and axes: repeated layers move
+        # the same bytes over the same axes (issue 14)
+        self._times: dict[tuple, float] = {}
 
     # -- collectives --------------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str], *,
@@ -109,6 +112,13 @@ class CostModel:
 
     def collective_time(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
         """Seconds of one collective of ``nbytes`` over ``axes`` (see the module docstring)."""
+        key = (kind, nbytes, tuple(axes))
+        found = self._times.get(key)
+        if found is None:
+            found = self._times[key] = self._collective_time(kind, nbytes, key[2])
+        return found
+
+    def _collective_time(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> float:
         n = self.mesh.product(axes)
         if n <= 1 or nbytes <= 0:
             return 0.0

@@ -55,6 +55,9 @@ def _product(mesh: MeshShape, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.sizes[mesh.names.index(a)] for a in axes)
 
 
+_FRACTIONS: dict[tuple[Spec, MeshShape], float] = {}  # Spec.shard_fraction's answers
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Spec:
     """Mesh axes per tensor dimension, major to minor within a dimension.
@@ -145,7 +148,13 @@ class Spec:
 
     def shard_fraction(self, mesh: MeshShape) -> float:
         """The fraction of the tensor one device holds."""
-        return 1.0 / mesh.product(self.axes)
+        key = (self, mesh)
+        found = _FRACTIONS.get(key)
+        if found is None:  # (asked per value and layout by every pass: issue 14)
+            if len(_FRACTIONS) > 65536:
+                _FRACTIONS.clear()
+            found = _FRACTIONS[key] = 1.0 / mesh.product(self.axes)
+        return found
 
     def to_json(self) -> list[list[str]]:
         return [list(d) for d in self.dims]

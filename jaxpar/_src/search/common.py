@@ -69,6 +69,7 @@ class SearchSpace:
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
         self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
+        self._weights: list[float] | None = None  # each node's loop weight, by id
         self._op_views: dict[int, OpView] = {}
         self._deferred: frozenset[int] | None = None
         self._bucket: float | None = None
@@ -228,7 +229,11 @@ class SearchSpace:
 
     def edge_weight(self, producer: int, consumer: int) -> float:
         """How often a layout change on this edge runs: once per run of the rarer end."""
-        return min(self.graph.nodes[producer].weight, self.graph.nodes[consumer].weight)
+        weights = self._weights
+        if weights is None:  # (asked once per edge by every pass: issue 14)
+            weights = self._weights = [n.weight for n in self.graph.nodes]
+        a, b = weights[producer], weights[consumer]
+        return b if b < a else a
 
     def edge_time(self, producer: int, out_index: int, src: Spec, consumer: int, dst: Spec
                   ) -> float:

@@ -184,11 +184,11 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
         nbrs = sorted(adjacency[v])
         exact = work(v) <= WORK_LIMIT  # else: too large (or too connected) to do exactly
         if exact and len(nbrs) == 0:
-            records.append(("root", v, int(np.argmin(cost[v]))))
+            records.append(("root", v, int(cost[v].argmin())))
         elif exact and len(nbrs) == 1:
             (u,) = nbrs
             total = edge(u, v) + cost[v][None, :]
-            best = np.argmin(total, axis=1)
+            best = total.argmin(axis=1)
             stats.largest_table = max(stats.largest_table, total.size)
             cost[u] = cost[u] + total[np.arange(total.shape[0]), best]
             records.append(("leaf", v, u, best))
@@ -196,7 +196,7 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
         elif exact and len(nbrs) == 2:
             u, w = nbrs
             total = edge(u, v)[:, :, None] + cost[v][None, :, None] + edge(v, w)[None, :, :]
-            best = np.argmin(total, axis=1)
+            best = total.argmin(axis=1)
             stats.largest_table = max(stats.largest_table, total.size)
             new = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
             records.append(("operator", v, u, w, best))
@@ -235,11 +235,11 @@ def solve_elimination(problem: Problem, *, memory_price: float = 0.0,
                 touch(adjacency[p] | {p})
                 continue
             # Star: fix v's choice per choice of its heaviest neighbour, estimating the others.
-            u = max(nbrs, key=lambda n: float(np.max(edge(n, v))))
+            u = max(nbrs, key=lambda n: float(edge(n, v).max()))
             others = [w for w in nbrs if w != u]
-            outlook = cost[v] + sum(np.min(edge(v, w), axis=1) for w in others)
+            outlook = cost[v] + sum(edge(v, w).min(axis=1) for w in others)
             total = edge(u, v) + outlook[None, :]
-            best = np.argmin(total, axis=1)
+            best = total.argmin(axis=1)
             cost[u] = cost[u] + edge(u, v)[np.arange(len(best)), best] + cost[v][best]
             for w in others:
                 add_edge(u, w, edge(v, w)[best, :])

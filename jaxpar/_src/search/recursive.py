@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxpar._src.graph import Const, NodeKind
 from jaxpar._src.rules import OpCategory
-from jaxpar._src.search.polish import better, edge_rows, improve, refine
+from jaxpar._src.search.polish import better, edge_rows, improve, least, refine
 from jaxpar._src.search.problem import Problem
 
 
@@ -84,12 +84,14 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 continue
             options = _split_by_axis(problem, r, alive[r], axis, takers)
             best_cls, best_score = None, None
+            cost_r, implied_r = problem.cost[r], implied[r]
+            near = [(edge_rows(problem, r, u), alive[u]) for u in adjacency[r] if u in decided]
             for cls in options:
-                own = float(np.min(problem.cost[r][cls] + implied[r][cls]))
+                own = float(least(cost_r[cls] + implied_r[cls]))
                 redist = 0.0
-                for u in adjacency[r]:
-                    if u in decided:
-                        redist += float(edge_rows(problem, r, u)[cls[:, None], alive[u]].min())
+                rows = cls[:, None]
+                for m, cols in near:
+                    redist += float(least(m[rows, cols]))
                 score = own + redist
                 if best_score is None or better(score, best_score):
                     best_cls, best_score = cls, score
@@ -102,7 +104,7 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
         for u in adjacency[r]:
             if u in choice:
                 total += edge_rows(problem, r, u)[cls, choice[u]]
-        choice[r] = int(cls[int(np.argmin(total))])
+        choice[r] = int(cls[int(total.argmin())])
     return choice
 
 
@@ -130,7 +132,9 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str,
         if takers is not None:
             takers[key] = found
     taker = found[1][alive]
-    return [alive[taker == f] for f in np.unique(taker)]
+    # the factors in order, as np.unique lists them (a set of a few small numbers sorted is
+    # cheaper than np.unique's sort, asked per operator and axis: issue 14)
+    return [alive[taker == f] for f in sorted(set(taker.tolist()))]
 
 
 def _implied_total(problem: Problem, r: int, cache: dict) -> np.ndarray:
