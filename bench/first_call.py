@@ -5,10 +5,11 @@ Three tables, in ``first_call.json`` / ``first_call.md``:
 
 1. **per call**: a step whose inputs are already where the plan wants them, called through
    ``jaxpar.parallelize`` and through the very ``jax.jit`` object jaxpar built for it (the same
-   executable): microseconds per call (best of interleaved rounds) and their difference, the
-   Python jaxpar adds.  On a cheap step over the 2-layer GPT's arguments (89 Flax NNX leaves:
-   flattening them is most of ``jax.jit``'s own cost) and over a plain dict of arrays, then the
-   2-layer GPT train step itself;
+   executable): microseconds per call (best of interleaved rounds, and the median of the
+   rounds' ratios) and the Python jaxpar adds, beside what that measure reads for its probe
+   called with no jaxpar around it.  On a cheap step over the 2-layer GPT's arguments (89 Flax
+   NNX leaves: flattening them is most of ``jax.jit``'s own cost) and over a plain dict of
+   arrays, then the 2-layer GPT train step itself;
 2. **first call**, each in a fresh process (``subprocess``), on a GPT train step (d=128, batch
    16 x 16, mesh ``(dp=2, mp=4)``, ``auto_parallel``) of 6 and 24 layers (and 96 without
    ``--quick``): ``parallelize(step)(*args)`` against ``jax.jit(step, in_shardings=...,
@@ -95,25 +96,31 @@ class _Probe:
 
 def _rounds(jax, pf, probe, args, rounds: int, calls: int, reference=None) -> dict:
     """Per-call seconds, best of interleaved rounds, each call waited for: through jaxpar and
-    through the jitted function alone; and jaxpar's own Python per call (before and after the
-    jitted function: it does not depend on how long XLA runs), the best and the median call."""
+    through the jitted function alone, and the median of the rounds' ratios; jaxpar's own
+    Python per call (before and after the jitted function: it does not depend on how long XLA
+    runs), the best and the median call; and the same measure with the probe called directly,
+    no jaxpar around it (``floor``: what the measure reads for the probe itself and the first
+    instructions after the last step was waited for, which run on cold caches)."""
     best: dict[str, list[float]] = {"jaxpar": [], "jit": []}
-    own = []
+    own, floor = [], []
     for _ in range(rounds):
         for _ in range(calls):
-            t0 = time.perf_counter()
-            out = pf(*args)
-            t1 = time.perf_counter()
-            own.append((probe.entered - t0) + (t1 - probe.left))
-            jax.block_until_ready(out)
-            del out  # freed here, not inside the next timed call
+            for into, call in ((own, pf), (floor, probe)):
+                t0 = time.perf_counter()
+                out = call(*args)
+                t1 = time.perf_counter()
+                into.append((probe.entered - t0) + (t1 - probe.left))
+                jax.block_until_ready(out)
+                del out  # freed here, not inside the next timed call
         for name, fn in (("jaxpar", pf), ("jit", reference or probe.fn)):
             t0 = time.perf_counter()
             for _ in range(calls):
                 jax.block_until_ready(fn(*args))
             best[name].append((time.perf_counter() - t0) / calls)
-    return {k: min(v) for k, v in best.items()} | {"own": min(own),
-                                                   "own_median": statistics.median(own)}
+    ratios = [a / b for a, b in zip(best["jaxpar"], best["jit"], strict=True)]
+    return {k: min(v) for k, v in best.items()} | {
+        "own": min(own), "own_median": statistics.median(own), "floor": min(floor),
+        "floor_median": statistics.median(floor), "ratio_median": statistics.median(ratios)}
 
 
 _LOADED = "GPT-2L train step, executable loaded from the plan cache"
@@ -171,10 +178,13 @@ def per_call_rows(quick: bool) -> list[dict]:
         rows.append({"case": name, "leaves": len(jax.tree.leaves(placed)), "mode": mode,
                      "jaxpar_us": got["jaxpar"] * 1e6, "jit_us": got["jit"] * 1e6,
                      "own_us": got["own"] * 1e6, "own_median_us": got["own_median"] * 1e6,
-                     "ratio": got["jaxpar"] / got["jit"], "rounds": rounds, "calls": calls})
+                     "floor_us": got["floor"] * 1e6,
+                     "floor_median_us": got["floor_median"] * 1e6,
+                     "ratio": got["jaxpar"] / got["jit"], "ratio_median": got["ratio_median"],
+                     "rounds": rounds, "calls": calls})
         print(f"per call {name}: jaxpar {got['jaxpar'] * 1e6:.0f} us, jax.jit "
-              f"{got['jit'] * 1e6:.0f} us, jaxpar's own Python {got['own'] * 1e6:.1f} us",
-              flush=True)
+              f"{got['jit'] * 1e6:.0f} us, jaxpar's own Python {got['own'] * 1e6:.1f} us "
+              f"(the probe alone {got['floor'] * 1e6:.1f} us)", flush=True)
     return rows
 
 
@@ -183,18 +193,22 @@ def per_call_table(rows: list[dict]) -> list[str]:
              "The same executable called through jaxpar and through the jax.jit object jaxpar "
              "built (for the executable loaded from the plan cache: against the jax.jit of the "
              "same plan compiled in the process); per-call time waited for, best of interleaved "
-             "rounds; jaxpar's own = its Python before and after the jitted function (for the "
-             "loaded executable: before and after JAX's C++ dispatch of the loaded executable, "
-             "which flattens and checks the arguments as jax.jit's does), per call (best and "
-             "median call).",
+             "rounds, and the median of the rounds' ratios; jaxpar's own = its Python before "
+             "and after the jitted function (for the loaded executable: before and after JAX's "
+             "C++ dispatch of the loaded executable, which flattens and checks the arguments as "
+             "jax.jit's does), per call (best and median call); the probe alone = the same "
+             "measure with the jitted function's probe called directly, no jaxpar around it "
+             "(the probe's own Python, and the first instructions after a step was waited for "
+             "run on cold caches: that much of jaxpar's own is the measure's).",
              "",
-             "| step | leaves | jaxpar us | jax.jit us | ratio | jaxpar's own us (best) | "
-             "(median) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| step | leaves | jaxpar us | jax.jit us | ratio (best) | (median) | "
+             "jaxpar's own us (best) | (median) | probe alone us (best) | (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['leaves']} | {r['jaxpar_us']:.0f} | "
-                     f"{r['jit_us']:.0f} | {r['ratio']:.3f} | {r['own_us']:.1f} | "
-                     f"{r['own_median_us']:.1f} |")
+                     f"{r['jit_us']:.0f} | {r['ratio']:.3f} | {r['ratio_median']:.3f} | "
+                     f"{r['own_us']:.1f} | {r['own_median_us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{r['floor_median_us']:.1f} |")
     return lines
 
 

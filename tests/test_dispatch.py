@@ -2,6 +2,8 @@
 every call that is not like it (shapes, weak types, static values, layouts, context) gets the
 plan made for it, as jax.jit would."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +161,130 @@ def test_arguments_are_placed_in_one_transfer(monkeypatch):
         if isinstance(y, jax.Array):
             assert y.sharding.is_equivalent_to(s, y.ndim)
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+# -- the hot check: a number that changes with the context, and the thread --------------------
+def _hot(f):
+    """Whether ``f``'s next call like the last one goes straight to its program, unchecked."""
+    from jaxpar._src.context import CHANGES
+
+    hot = f._fast._hot
+    return hot is not None and hot[0] == CHANGES.count and hot[1] == threading.get_ident()
+
+
+def _data_parallel():
+    return jaxpar.parallelize(lambda x: x * 2, batch_argnums=0)
+
+
+@pytest.mark.parametrize(("change", "full_path"), [
+    (lambda: jaxpar.set_auto_parallel_context(mesh=jaxpar.make_mesh((2, 4), ("a", "b"))), True),
+    (lambda: jaxpar.set_auto_parallel_context(device_num=4), True),
+    (lambda: jaxpar.set_algo_parameters(fully_use_devices=False), True),
+    (lambda: jaxpar.set_context(mode=jaxpar.PYNATIVE_MODE), True),
+    (jaxpar.reset_auto_parallel_context, True),  # stand_alone: one device
+    # a change to what they already were: compared, found equal, the program runs
+    (lambda: jaxpar.set_auto_parallel_context(parallel_mode="data_parallel"), False),
+    (lambda: jaxpar.set_algo_parameters(fully_use_devices=True), False),
+    (lambda: jaxpar.set_context(mode=jaxpar.GRAPH_MODE), False),
+    (jaxpar.reset_algo_parameters, False),
+], ids=["mesh", "device_num", "algo", "pynative", "reset", "same-options", "same-algo",
+        "same-mode", "reset-algo"])
+def test_every_change_of_the_context_is_seen_by_the_hot_check(full_calls, change, full_path):
+    """A call like the last one skips every Python check of jaxpar's context while nothing has
+    changed it; after a change (any setter, even to the same values) the context itself is
+    compared: another one takes the full path (its own plan, or PyNative), the same one goes on
+    straight to the program and the hot check is back."""
+    jaxpar.set_auto_parallel_context(parallel_mode="data_parallel")
+    f = _data_parallel()
+    x = f(jnp.arange(8.0))  # the full path: placed over the 8 devices
+    assert full_calls[0] == 1 and _hot(f)
+    np.testing.assert_array_equal(f(x), np.arange(8.0) * 4)
+    assert full_calls[0] == 1 and _hot(f)
+    change()
+    assert not _hot(f)
+    np.testing.assert_array_equal(f(x), np.arange(8.0) * 4)
+    assert full_calls[0] == (2 if full_path else 1)
+    assert _hot(f) == (jaxpar.get_context("mode") == jaxpar.GRAPH_MODE)  # PyNative: eager
+
+
+def test_a_with_block_of_another_thread_is_its_own_context(full_calls):
+    """The hot check is the thread's too: a with-block holds for its thread only, so a call
+    from another thread is compared with the context it was planned in, even where nothing
+    changed in between (the other thread's with-block was entered before the last call)."""
+    jaxpar.set_auto_parallel_context(parallel_mode="data_parallel")
+    f = _data_parallel()
+    other = jaxpar.make_mesh((2, 4), ("a", "b"))
+    inside, called, done = threading.Event(), threading.Event(), threading.Event()
+    got = {}
+
+    def worker():
+        with jaxpar.auto_parallel_context(mesh=other):
+            inside.set()
+            called.wait(60)
+            got["out"] = f(got["x"])  # nothing changed since this thread's last full call
+        done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert inside.wait(60)
+    got["x"] = x = f(jnp.arange(8.0))  # the full path, in this thread's context
+    np.testing.assert_array_equal(f(x), np.arange(8.0) * 4)
+    assert full_calls[0] == 1 and _hot(f)
+    called.set()
+    assert done.wait(120)
+    thread.join()
+    assert full_calls[0] == 2  # the other thread's context: its own plan, on its mesh
+    assert got["out"].sharding.mesh.axis_names == ("a", "b")
+    np.testing.assert_array_equal(got["out"], np.arange(8.0) * 4)
+
+
+def test_only_a_trace_under_the_fast_path_is_refused():
+    """``refuse_fast_trace`` raises where the trace runs under the fast path's call (the stack
+    is walked, nothing is set per call), and nowhere else: the full path, ``.lower`` and a call
+    of the jitted function itself trace as they would."""
+    from jaxpar._src.context import CHANGES, algo_parameters, current_context
+    from jaxpar._src.dispatch import MISS, FastPath, refuse_fast_trace
+
+    refuse_fast_trace()  # outside: nothing
+    traced = []
+
+    def step(x):
+        refuse_fast_trace()
+        traced.append(x.shape)
+        return x + 1
+
+    jitted = jax.jit(step)
+    fast = FastPath()
+    fast.remember(CHANGES.count, current_context(), algo_parameters(), jitted)
+    assert fast.call((jnp.ones(4),)) is MISS and fast._misses == 1  # traced under it
+    np.testing.assert_array_equal(jitted(jnp.ones(4)), np.full(4, 2.0))  # not under it
+    fast = FastPath()
+    fast.remember(CHANGES.count, current_context(), algo_parameters(), jitted)
+    np.testing.assert_array_equal(fast.call((jnp.ones(4),)), np.full(4, 2.0))  # jit's hit
+    assert traced == [(4,)] and fast._misses == 0
+
+
+def test_a_loaded_executable_without_static_arguments_is_called_straight(cache_dir):
+    """With an executable loaded from the plan cache, the fast path calls JAX's C++ dispatch of
+    it itself (no static arguments for ``Loaded`` to check); with static arguments, ``Loaded``,
+    which compares them."""
+    from jaxpar._src.executable_cache import LOADED_NOTE
+
+    mesh = jaxpar.make_mesh((8,), ("d",))
+
+    def make(static):
+        fn = (lambda x, n: x * n) if static else (lambda x: x * 3)
+        return jaxpar.parallelize(fn, mesh=mesh, parallel_mode="semi_auto_parallel",
+                                  in_strategy=((8,),), static_argnums=(1,) if static else ())
+
+    x = jnp.arange(16.0)
+    for static, args in ((False, (x,)), (True, (x, 3))):
+        make(static)(*args)
+        again = make(static)
+        y = again(*args)
+        entry = again.compiled_entry(*args)
+        assert LOADED_NOTE in entry.plan.notes[-1]
+        runner = again._fast._hot[2]
+        assert runner is (entry.loaded if static else entry.loaded.run)
+        np.testing.assert_array_equal(again(y, *args[1:]), np.arange(16.0) * 9)
+        assert again(jnp.arange(8.0), *args[1:]).shape == (8,)  # another shape: refused, planned

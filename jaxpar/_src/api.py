@@ -23,6 +23,7 @@ from jaxpar._src.cached_build import (
 )
 from jaxpar._src.config import config
 from jaxpar._src.context import (
+    CHANGES,
     AlgoParameters,
     ParallelMode,
     algo_parameters,
@@ -122,6 +123,15 @@ class Compiled:
         """What a call runs: the loaded executable, else the jitted function."""
         return self.loaded if self.loaded is not None else self.build_jit()
 
+    @property
+    def fast_runner(self) -> Callable[..., Any]:
+        """What the per-call fast path (``dispatch.py``) runs: :attr:`runner`, or straight
+        JAX's C++ dispatch of the loaded executable where there are no static arguments for
+        :class:`Loaded` to check and drop (tracers, which :class:`Loaded` hands to the jitted
+        function, make the fast path give up, and the full path does that)."""
+        loaded = self.loaded
+        return self.runner if loaded is None or loaded.has_static else loaded.run
+
 
 class Parallelized:
     """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it.
@@ -163,6 +173,7 @@ class Parallelized:
                 return out
         info = self._info
         args = info.bind(args, kwargs)
+        stamp = CHANGES.count  # before the state it stands for is read (context.Changes)
         ctx, algo = current_context(), algo_parameters()
         entry = self._compiled(args)
         full = self._placed(args, entry)
@@ -175,7 +186,7 @@ class Parallelized:
             out = runner(*full)
         if keep is not None:  # serialized and written while the step runs, not before it
             store_in_background(*keep, api=self._info.api)
-        self._fast.remember(ctx, algo, runner)
+        self._fast.remember(stamp, ctx, algo, entry.fast_runner)
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -153,13 +154,48 @@ def _pipeline_option(key: str, value: Any) -> Any:
     return tuple(sorted(config.check_pipeline_config(value).items()))
 
 
+class _Local(threading.local):
+    """This thread's ``with``-block contexts: ``stack`` is ``None`` until the thread opens one
+    (a class default, so that reading it never raises and catches ``AttributeError``: a
+    parallelized call reads it, and the per-call fast path's budget is microseconds)."""
+
+    stack: list[ParallelContext] | None = None
+
+
+class Changes:
+    """A number that changes whenever jaxpar's context, algorithm parameters or execution mode
+    may have changed, in any thread (``set_auto_parallel_context``, a ``with`` block entered or
+    left, ``set_algo_parameters``, ``set_context``, their resets): the per-call fast path
+    (``dispatch.py``) compares it, and the thread, with what it was at the last full call
+    instead of comparing the contexts themselves.  ``next`` of an ``itertools.count`` is
+    atomic, so every change stores a number never seen before, even where threads race.
+
+    >>> n = CHANGES.count
+    >>> set_algo_parameters(fully_use_devices=True)
+    >>> CHANGES.count != n
+    True
+    """
+
+    __slots__ = ("count", "_numbers")
+
+    def __init__(self) -> None:
+        self._numbers = itertools.count(1)
+        self.count = 0
+
+    def bump(self) -> None:
+        """Called after a change is made (a reader that saw the old number saw the old
+        state, or a state at least that old)."""
+        self.count = next(self._numbers)
+
+
+CHANGES = Changes()
 _base = ParallelContext()
-_local = threading.local()
+_local = _Local()
 
 
 def current_context() -> ParallelContext:
     """The context in force here: the innermost ``with`` block, else the global settings."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     return stack[-1] if stack else _base
 
 
@@ -190,9 +226,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     global _base
     updates = _normalize(kwargs)
     _base = dataclasses.replace(_base, **updates)
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack:  # inside a with-block the block's values shadow the globals; update both
         stack[-1] = dataclasses.replace(stack[-1], **updates)
+    CHANGES.bump()
 
 
 def get_auto_parallel_context(attr_key: str) -> Any:
@@ -222,6 +259,7 @@ def reset_auto_parallel_context() -> None:
     """
     global _base
     _base = ParallelContext()
+    CHANGES.bump()
 
 
 @contextlib.contextmanager
@@ -236,14 +274,16 @@ def auto_parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
     """
     updates = _normalize(kwargs)
     ctx = dataclasses.replace(current_context(), **updates)
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack is None:
         stack = _local.stack = []
     stack.append(ctx)
+    CHANGES.bump()
     try:
         yield ctx
     finally:
         stack.pop()
+        CHANGES.bump()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +315,7 @@ def set_algo_parameters(**kwargs: Any) -> None:
         if not isinstance(value, bool):
             raise ContextError(f"jaxpar: algorithm parameter {key} must be a bool, got {value!r}.")
     _algo = dataclasses.replace(_algo, **kwargs)
+    CHANGES.bump()
 
 
 def get_algo_parameters(attr_key: str) -> Any:
@@ -304,6 +345,7 @@ def reset_algo_parameters() -> None:
     """
     global _algo
     _algo = AlgoParameters()
+    CHANGES.bump()
 
 
 def algo_parameters() -> AlgoParameters:

@@ -331,6 +331,11 @@ class Loaded:
         fast = checked_cpp_call(compiled, self._check)
         self.run = fast if fast is not None else self._checked  # what a call runs
 
+    @property
+    def has_static(self) -> bool:
+        """Whether calls pass static arguments, which :meth:`__call__` checks and drops."""
+        return bool(self._static)
+
     def __call__(self, *args: Any) -> Any:
         if self._static:
             for i, expected in self._static:

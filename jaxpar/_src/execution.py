@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxpar._src.context import CHANGES
 from jaxpar._src.errors import ContextError
 
 GRAPH_MODE = 0
@@ -43,6 +44,7 @@ def set_context(**kwargs: Any) -> None:
             raise ContextError(f"jaxpar.set_context: mode must be jaxpar.GRAPH_MODE (0) or "
                                f"jaxpar.PYNATIVE_MODE (1), got {value!r}.")
         _options[key] = value
+        CHANGES.bump()  # the per-call fast path checks the mode only when something changed
 
 
 def get_context(key: str) -> Any:
