@@ -41,6 +41,7 @@ from jaxpar._src.pipeline.split import (
     choose_split,
     marked_split,
 )
+from jaxpar._src.pipeline.transpose import EpilogueComm, epilogue_collectives
 from jaxpar._src.pipeline.view import LayerView, local_bytes
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.spec import MeshShape, Spec
@@ -96,6 +97,8 @@ class PipelineProgram(LayerView):
     # the step passes each layer's weights (not a StackedParams): the split's memory check
     # counts every layer's weight, gradient and optimizer state whole over "pp" (early.py)
     per_layer: bool = False
+    # the epilogue's collectives per micro-batch, forward and backward, the split priced
+    epilogue_comm: EpilogueComm = EpilogueComm()
 
     def weight_spec(self, j: int) -> Spec:
         """Stacked weight ``j``'s layout ``[S, v, slots, ...]`` on the whole mesh (``j``
@@ -230,6 +233,15 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
                                  [plan.decisions[graph.values[v].producer]
                                   .out_specs[graph.values[v].index] for v in parts["rest"]],
                                  MeshShape.of(mesh))
+    # the epilogue's collectives as the loop runs them: its backward's too (transpose.py);
+    # where it runs per row group, its weights' gradients and an affine tail's sum over the
+    # rows cross the row axes after the loop
+    epi_comm = epilogue_collectives(
+        graph, plan, parts["epi_nodes"],
+        tuple(layers.layers[-1].act_out) + parts["carried_shared"] + parts["rest"], hardware,
+        grouped={parts["rest"][i] for i in ends.grouped} if ends.epilogue else set(),
+        row_axes=groups.axes, group_tail=ends.tail if ends.affine is not None else ())
+    costs["epilogue_s"] = costs["epilogue_compute_s"] * (1.0 + BACKWARD_FACTOR) + epi_comm.time
 
     def scatters_for(k: int) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
         return gradient_scatters(groups, optimizer, stacked_avals, (S, config.repeats, k),
@@ -284,7 +296,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         tuple(layers.layers[0].act_in) + parts["carried_shared"], out_operand, layers.stacked,
         batch_leaves, n_leaves, rows, slot_layer >= 0, slot_layer, hardware,
         costs["act_bytes"], groups, scatters, ends, rest_scatters,
-        splits(scatters), state_copies, optimizer, per_layer)
+        splits(scatters), state_copies, optimizer, per_layer, epi_comm)
 
 
 def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowGroups
@@ -436,17 +448,16 @@ def _costs(graph: OpGraph, plan: ShardingPlan, rep: Layer, parts: dict,
         shape = spec.shard_shape(v.shape, mesh) if spec.ndim == len(v.shape) else v.shape
         return float(math.prod(shape) * graph.values[vid].nbytes / max(math.prod(v.shape), 1))
 
-    epi_compute, epi_comm = seconds(parts["epi_nodes"])
+    epi_compute, _ = seconds(parts["epi_nodes"])
     return {
         "layer_s": sum(seconds(rep.nodes)),
         "prologue_s": sum(seconds(parts["pro_nodes"])),
-        # The backward costs about twice the forward's compute, but not its collectives: the
-        # epilogue's usual one is the loss's sum over the rows split on the data axes, whose
-        # transpose broadcasts a replicated cotangent (no data moves).  Tripled with the rest,
-        # that one scalar all-reduce priced the test GPT's epilogue at 143 of its layers (its
-        # 8 blocks split [7, 1]; the clock: [4, 4] 16-36% less CPU per step,
-        # bench/pipeline_split.py).
-        "epilogue_s": epi_compute * (1.0 + BACKWARD_FACTOR) + epi_comm,
+        # The backward costs about twice the forward's compute; the epilogue's collectives,
+        # forward and backward, are priced once the row groups are known (transpose.py): a
+        # forward collective tripled with the compute (the loss's scalar all-reduce) priced
+        # the test GPT's epilogue at 143 of its layers (its 8 blocks split [7, 1]; the clock:
+        # [4, 4] 16-36% less CPU per step, bench/pipeline_split.py).
+        "epilogue_compute_s": epi_compute,
         # an idle slot touches each stacked weight (its gradient zeroed in the backward) and
         # each carried value (passed through) once
         "idle_s": per_op * (len(rep.weights) + len(rep.act_in) + len(parts["carried_shared"])),

@@ -1,0 +1,84 @@
+"""The epilogue's collectives the stage split prices (``pipeline/transpose.py``), forward and
+backward, against the compiled loop's, on (dp, tp, pp) = (2, 2, 2) with the head's weight split
+over ``tp`` and whole."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+
+V, D, LAYERS, ROWS, SEQ = 64, 16, 2, 8, 8
+
+
+def _loss(head):
+    def loss(p, tok, y):
+        x = p["emb"][tok]
+        for i in range(LAYERS):
+            x = x + jnp.tanh(x @ p["w"][i])
+        logits = head(x, p["head"])
+        # the label's logit by a one-hot product: XLA's partitioner aborts on the gather of
+        # take_along_axis over a vocabulary split on tp inside the loop's shard_map
+        pick = jnp.sum(logits * jax.nn.one_hot(y, V), -1)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - pick)
+    return loss
+
+
+def _matmul(h, w):
+    return h @ w
+
+
+HEADS = {
+    # column split: forward the loss's max and sums over tp (and its scalar over dp); backward
+    # the head input's cotangent all-reduced over tp, the head weight's over dp (the epilogue
+    # runs per micro-batch: its weight is read after the vocabulary's sums)
+    "column over tp": jaxpar.shard(_matmul, in_strategy=((2, 1, 1), (1, 2))),
+    # whole: the head runs per row group and the loss's tail too (tail.py): nothing crosses
+    # the row axes inside the loop, forward or backward
+    "unsplit": _matmul,
+}
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_priced_epilogue_collectives_match_the_compiled_loop(name):
+    loss = _loss(HEADS[name])
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"emb": jax.random.normal(k[0], (V, D)) * 0.1,
+         "w": jax.random.normal(k[1], (LAYERS, D, D)) * 0.3,
+         "head": jax.random.normal(k[2], (D, V)) * 0.1}
+    tok = jax.random.randint(k[3], (ROWS, SEQ), 0, V)
+    y = jnp.roll(tok, 1, 1)
+    mesh = jaxpar.make_mesh((2, 2, 2), ("dp", "tp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2, micro_batches=2,
+                                      pipeline_config={"pipeline_scheduler": "gpipe"}):
+        cell = jaxpar.PipelineCell(loss)
+        step = jaxpar.parallelize(jax.value_and_grad(cell), batch_argnums=(1, 2))
+        compiled = step.lower(p, tok, y).compile()
+        value, grad = compiled(p, tok, y)
+        colls = jaxpar.inspect.collectives(compiled)
+    ref_value, ref_grad = jax.value_and_grad(loss)(p, tok, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    program = cell.last_program
+    # the tick loop's collectives: as many trips as its permutes over pp (the layers' run
+    # in the chunk's scan, more often; here they have none)
+    trips = {r.count for r in colls.of("collective-permute") if r.count > 1}
+    assert len(trips) == 1, colls.table()
+    looped: dict[tuple[str, ...], float] = {}
+    for r in colls:
+        if r.count in trips and r.axes and "pp" not in r.axes:
+            key = tuple(sorted(r.axes))
+            looped[key] = looped.get(key, 0.0) + r.nbytes
+    priced = program.epilogue_comm
+    assert priced.bytes_by_axes() == looped, (priced, colls.table())
+    if name == "column over tp":
+        assert looped == {("tp",): 3 * 64 + 1024, ("dp",): 4 + 2048}
+        assert {c.axes for c in priced.backward} == {("tp",), ("dp",)}
+    else:
+        assert looped == {} and program.ends.affine is not None
+    # the split's epilogue price holds them beside its compute
+    assert program.split.epilogue_s > priced.time == sum(
+        c.time for c in priced.forward + priced.backward)
