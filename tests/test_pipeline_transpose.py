@@ -1,27 +1,44 @@
 """The epilogue's collectives the stage split prices (``pipeline/transpose.py``), forward and
 backward, against the compiled loop's, on (dp, tp, pp) = (2, 2, 2) with the head's weight split
-over ``tp`` and whole."""
+over ``tp`` and whole, the label's logit picked by a one-hot product or by ``take_along_axis``
+(optax's; ``masked_gather.py``: XLA aborts on that gather inside the loop's ``shard_map``)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxpar
+from tests.util import FAST_COMPILE_FLAGS
 
 V, D, LAYERS, ROWS, SEQ = 64, 16, 2, 8, 8
 
 
-def _loss(head):
+def _one_hot(logits, y):
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * jax.nn.one_hot(y, V), -1))
+
+
+def _optax(logits, y):
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+# the label's logit: a one-hot product, or optax's gather (take_along_axis), which XLA's
+# partitioner aborts on over a vocabulary split on tp inside the loop's shard_map unless jaxpar
+# lowers it as a masked sum (masked_gather.py)
+PICKS = {"one-hot": _one_hot, "optax": _optax}
+
+
+def _loss(head, pick):
     def loss(p, tok, y):
         x = p["emb"][tok]
         for i in range(LAYERS):
             x = x + jnp.tanh(x @ p["w"][i])
-        logits = head(x, p["head"])
-        # the label's logit by a one-hot product: XLA's partitioner aborts on the gather of
-        # take_along_axis over a vocabulary split on tp inside the loop's shard_map
-        pick = jnp.sum(logits * jax.nn.one_hot(y, V), -1)
-        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - pick)
+        return pick(head(x, p["head"]), y)
     return loss
 
 
@@ -40,9 +57,9 @@ HEADS = {
 }
 
 
-@pytest.mark.parametrize("name", list(HEADS))
-def test_priced_epilogue_collectives_match_the_compiled_loop(name):
-    loss = _loss(HEADS[name])
+@pytest.mark.parametrize("name, pick", [("column over tp", "one-hot"), ("unsplit", "one-hot")])
+def test_priced_epilogue_collectives_match_the_compiled_loop(name, pick):
+    loss = _loss(HEADS[name], PICKS[pick])
     k = jax.random.split(jax.random.key(0), 4)
     p = {"emb": jax.random.normal(k[0], (V, D)) * 0.1,
          "w": jax.random.normal(k[1], (LAYERS, D, D)) * 0.3,
@@ -82,3 +99,25 @@ def test_priced_epilogue_collectives_match_the_compiled_loop(name):
     # the split's epilogue price holds them beside its compute
     assert program.split.epilogue_s > priced.time == sum(
         c.time for c in priced.forward + priced.backward)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTAX_LOSS = """
+from tests.test_pipeline_transpose import test_priced_epilogue_collectives_match_the_compiled_loop
+test_priced_epilogue_collectives_match_the_compiled_loop("column over tp", "optax")
+print("passed", flush=True)
+"""
+
+
+def test_optax_cross_entropy_over_the_split_vocabulary():
+    """The label's logit by optax's integer-label cross-entropy (its ``take_along_axis``) with
+    the vocabulary split over tp: the loss and gradients of a single device's run, and the
+    one-hot product's collectives above.  Its gather aborted the process inside the loop's
+    ``shard_map`` (XLA's partitioner), so it runs in a child: a regression fails this test,
+    not the whole run."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
+    run = subprocess.run([sys.executable, "-c", OPTAX_LOSS], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["passed"]

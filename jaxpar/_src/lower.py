@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar._src.annotate import annotated_runner, can_annotate
 from jaxpar._src.compat import bind_equation
 from jaxpar._src.graph import CondRegion, Const, Node, NodeKind, OpGraph, ScanRegion, WhileRegion
+from jaxpar._src.masked_gather import masked_gather, needs_masked_gather
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.regather import NONE as NO_REGATHER
 from jaxpar._src.regather import Regather
@@ -383,6 +384,10 @@ class _Evaluator:
         elif node.id in self.scatters:  # ZeRO 1-3: the split gradient by reduce-scatter
             outs = [scatter_fn(node, d.in_specs, d.out_specs[0], self.scatters[node.id],
                                self.mesh)(*invals)]
+        elif self.here and node.name == "gather" and needs_masked_gather(
+                node.eqn.params, d.in_specs[0], len(node.eqn.invars[1].aval.shape),
+                node.eqn.invars[0].aval.dtype):  # XLA aborts on it inside shard_map
+            outs = [masked_gather(node.eqn.params, *invals)]
         else:
             outs = bind_equation(node.eqn, invals, here=self.here)
         for vid, val, spec in zip(node.outputs, outs, d.out_specs, strict=True):
