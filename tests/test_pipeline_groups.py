@@ -287,6 +287,9 @@ def test_a_head_after_a_batch_statistic_keeps_the_epilogue_per_micro_batch():
     assert program.ends.prologue and not program.ends.epilogue
     assert "epilogue: per micro-batch: the loss reads its weights after mixing rows" in \
         red.ends_why, red.ends_why
+    # and where the rows mix first: the batch statistic's sum over the rows
+    assert "the rows mix first at reduce_sum reduces over the rows" in red.ends_why, \
+        red.ends_why
     assert red.ends_bytes == (V * D + 4 * D + D) * 4  # the embedding's, position's, gate's
     inside, after = _in_loop(colls)
     head = [r for r in inside if any(sh in (f"f32[{D},{V}]", f"f32[{V},{D}]") for sh in r.shapes)]

@@ -32,8 +32,8 @@ splits the weights, and :func:`early_memory` counts, per device:
 Left out: the step's own temporaries; the step's plan counts them (``plan.memory_bytes``).
 A layer's stored residuals, once every operator result of the layer (26.1 KiB against the
 probe's 13.9 on the bench's GPT), are the leaves ``jax.vjp`` of one layer keeps (13.4 KiB;
-equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.950-1.058
-of the compiled total on the 19 bench rows (README; mean |error| 1.6%), 0.741-1.024 without it.
+equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.950-1.065
+of the compiled total on the 19 bench rows (README; mean |error| 1.7%), 0.741-1.031 without it.
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total

@@ -256,8 +256,12 @@ def _epilogue(graph: OpGraph, small: OpGraph, nodes: Sequence[int], seeds: Seque
             if v in where and floats[where[v]] and _reads_rows(graph, top, state)]
     if late and not any(v in where and floats[where[v]] for v in _reads(graph, head)):
         v, top = late[0]
+        # the first node that left the head says why (the rest read it): where a node that
+        # keeps rows apart is in the tail, that is what to look at
+        first = min(stops)
         return (f"the loss reads its weights after mixing rows ({graph.values[v].shape} in "
-                f"{graph.nodes[top].name}, {graph.nodes[top].source})")
+                f"{graph.nodes[top].name}, {graph.nodes[top].source}; the rows mix first at "
+                f"{stops[first]})")
     tail = tuple(n for n in nodes if n in tail_set)
     bound = sorted({v for top in tail for v in _reads(graph, [top])
                     if v in made and made[v] not in tail_set})

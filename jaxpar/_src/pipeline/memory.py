@@ -388,17 +388,34 @@ def _tick_grads(program: Any, mesh: MeshShape) -> list[float]:
     """The rest's gradients one backward makes before adding them to their accumulators
     (the toy stack's 4096-column head; the GPT's embedding and head, per row group where the
     ends run per group, as their accumulators: XLA's buffer assignment holds them at the
-    backward's peak)."""
+    backward's peak).
+
+    A grouped one the loop reduce-scatters (``program.rest_scatters``, ZeRO) that a
+    ``dot_general`` of the epilogue's head reads (a head's weight) twice: the backward holds
+    its gradient as the transposed product makes it (``[vocab, d]``) and copied into the
+    layout of the tick's result, beside its accumulator (``--xla_dump_to`` of the memory toy
+    with a ``[32, 2048]`` head, ZeRO off, level 1 and 3 alike: three whole buffers of it in
+    the loop).  Where the gradient is all-reduced XLA puts one of them in the gradient's whole
+    result, which the split's check counts (``early.py``: the loop's results) and the step's
+    outputs hold; reduce-scattered, that result is a slice, and the split's check was 0.81 of
+    the toy's compiled total at level 3 and 0.82 at level 1 (``test_pipeline_memory.py``).
+    An embedding's gradient (a scatter-add, no product) is not counted twice."""
     from jaxpar._src.pipeline.groups import strip
+    from jaxpar._src.pipeline.layers import members
 
     groups, ends = program.groups, program.ends
     grouped = set(ends.grouped) if groups.on and ends.on else set()
+    graph = program.graph
+    products = {o for top in ends.head for nid in members(graph, top)
+                if graph.nodes[nid].name == "dot_general" for o in graph.nodes[nid].inputs}
+    scattered = {i for i, _, _ in program.rest_scatters
+                 if i in grouped and program.rest[i] in products}
     out = []
     for i, vid in enumerate(program.rest):
         v = program.graph.values[vid]
         if jnp.issubdtype(v.dtype, jnp.inexact):
             spec = strip(program.spec(vid), groups.axes) if i in grouped else program.spec(vid)
-            out.append(local_bytes(v, spec, mesh))
+            out += [local_bytes(v, spec, mesh)] * (2 if i in scattered else 1)
     return out
 
 

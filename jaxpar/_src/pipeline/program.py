@@ -215,7 +215,7 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
         carried_in=tuple(layers.layers[0].act_in) + tuple(rep_layer.act_in)
         + parts["carried_shared"], batch=batch, rest=parts["rest"],
         stacked=tuple(rep_layer.weights[j] for j in layers.stacked), rows=rows,
-        retrace=lambda r: _retrace(fn, args, batch_argnums, rows * M // r, where))
+        retrace=lambda r: _retrace(fn, args, batch_argnums, rows * M // r, where, sub))
     ends = end_groups(
         graph=graph, small=groups.graph, rows=rows, size=groups.size,
         pro_nodes=parts["pro_nodes"], epi_nodes=parts["epi_nodes"], pro_seeds=batch,
@@ -341,12 +341,17 @@ def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, whe
 
 
 def _retrace(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...], M: int,
-             where: str) -> OpGraph:
-    """``fn``'s graph traced with its batch cut into ``M`` micro-batches (``groups.py``)."""
+             where: str, mesh: Mesh) -> OpGraph:
+    """``fn``'s graph traced with its batch cut into ``M`` micro-batches (``groups.py``), on
+    the stage's ``mesh`` as the micro-batch's own trace (``_plan``): a ``jaxpar.shard`` in the
+    loss writes its constraints on the mesh being traced for, so the two traces' constraints
+    are equal (on the step's mesh, ``"pp"`` in it, a tp-split head's constraint differed and
+    ``rowflow`` refused the epilogue per row group as another operator)."""
     from jaxpar._src.trace import trace
+    from jaxpar._src.tracing_state import tracing_with
 
     small, _ = _micro_args(args, batch_argnums, M, where)
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())), tracing_with(mesh):
         return trace(fn, small).graph
 
 
