@@ -112,11 +112,8 @@ def epilogue_collectives(graph: OpGraph, plan: ShardingPlan, nodes: Sequence[int
             if not live or node.name in NO_COTANGENT:
                 continue
             made = [v for v in node.outputs if _is_float(graph, v)]
-            if node.kind is not NodeKind.OP or not made:
-                active.update(made)
-                continue
             active.update(made)
-            if len(d.in_specs) != len(ins):
+            if node.kind is not NodeKind.OP or not made or len(d.in_specs) != len(ins):
                 continue
             work = {a for s in d.in_specs + d.out_specs for a in s.axes}
             work |= {a for c in d.collectives for a in c.axes}
