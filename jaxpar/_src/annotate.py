@@ -88,6 +88,9 @@ class _Annotator:
         self.eqns: list[jcore.JaxprEqn] = []
         self._templates: dict[tuple[Spec, int], jcore.JaxprEqn] = {}
         self._copies: dict[tuple[int, Spec, bool], jcore.Var] = {}
+        # value id -> the layout it is made in (its producer's out spec), noted as it is made:
+        # a read compares with it without looking the producer's decision up again
+        self._made: dict[int, Spec] = {}
         from jaxpar._src.lower import node_scope  # lower.py imports this module
 
         self._scope = node_scope
@@ -97,15 +100,17 @@ class _Annotator:
         env: dict[int, Any] = {}
         invars = [jcore.Var(a) for a in avals]
         boundary = [*graph.inputs, *const_nodes]
+        made = self._made
         for nid, var in zip(boundary, invars, strict=True):
             node = graph.nodes[nid]
             vid = node.outputs[0]
+            spec = made[vid] = plan.decisions[nid].out_specs[0]
             if node.kind is NodeKind.CONST:  # constrained as the evaluator does
-                var = self._constrain(var, plan.decisions[nid].out_specs[0], nid)
+                var = self._constrain(var, spec, nid)
             env[vid] = var
+        nodes, op = graph.nodes, NodeKind.OP
         for nid in graph.order:
-            node = graph.nodes[nid]
-            if node.kind is NodeKind.OP:
+            if nodes[nid].kind is op:
                 self._op(nid, env)
         outvars = []
         for nid in graph.outputs:
@@ -122,7 +127,9 @@ class _Annotator:
         node = self.graph.nodes[nid]
         d = self.plan.decisions[nid]
         eqn = node.eqn
-        invars = [self._read(env, o, s, nid, v)
+        made = self._made
+        invars = [env[o] if o.__class__ is int and (s is made[o] or s == made[o])
+                  else self._read(env, o, s, nid, v)  # (the common case inline: as made)
                   for o, s, v in zip(node.inputs, d.in_specs, eqn.invars, strict=True)]
         if node.name == "sharding_constraint":  # a pin: the plan's layout is the user's
             outs = invars[:1]
@@ -134,8 +141,10 @@ class _Annotator:
             self.eqns.append(jcore.new_jaxpr_eqn(
                 invars, outs, eqn.primitive, eqn.params, eqn.effects,
                 scoped_source_info(eqn.source_info, self._scope(nid)), eqn.ctx))
+        loose = self.loose
         for vid, var, spec in zip(node.outputs, outs, d.out_specs, strict=True):
-            env[vid] = var if vid in self.loose else self._constrain(var, spec, nid)
+            made[vid] = spec
+            env[vid] = var if vid in loose else self._constrain(var, spec, nid)
 
     def _read(self, env: dict[int, Any], operand: Any, spec: Spec | None, nid: int,
               var: Any) -> Any:
@@ -145,8 +154,7 @@ class _Annotator:
         x = env[operand]
         if spec is None:
             return x
-        value = self.graph.values[operand]
-        made = self.plan.decisions[value.producer].out_specs[value.index]
+        made = self._made[operand]  # the producer's out spec
         if spec is made or spec == made:
             return x
         again = self.regather.applies(nid, operand)  # level 3: the backward's own gather

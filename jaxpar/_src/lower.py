@@ -191,9 +191,17 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
         return set(d.out_specs[0].axes) <= split
 
     def one_heavy_reader(vid: int) -> bool:
-        return sum(1 for u in graph.consumers[vid] if not inner(u.consumer) and
-                   graph.nodes[u.consumer].kind is NodeKind.OP and
-                   graph.nodes[u.consumer].name not in _LIGHT) <= 1
+        # the cheap tests first: keeps_layout only of readers that are heavy operators, and
+        # none after the second (all pure: the order changes no answer)
+        heavy = 0
+        for u in graph.consumers[vid]:
+            reader = nodes[u.consumer]
+            if reader.kind is NodeKind.OP and reader.name not in _LIGHT and \
+                    not inner(u.consumer):
+                heavy += 1
+                if heavy > 1:
+                    return False
+        return True
 
     kept: dict[int, bool] = {}
 
@@ -214,7 +222,7 @@ def loose_values(graph: OpGraph, plan: ShardingPlan) -> frozenset[int]:
             kinds = readers_as_made(vid, spec)
             if kinds is None:
                 continue  # read in another layout, in a checkpoint body or by a loop
-            if inner(node.id) and one_heavy_reader(vid) or kinds <= _RESULTS or \
+            if kinds <= _RESULTS or inner(node.id) and one_heavy_reader(vid) or \
                     follows_operands(node):
                 loose.add(vid)
     return frozenset(loose)
