@@ -101,6 +101,34 @@ class OpDecision:
     runner_up_extra_s: float = 0.0
     category: str = "other"  # of its rule: "contraction", "indexing" or "other"
 
+    @classmethod
+    def made(cls, node: int, kind: str, name: str, source: str, label: str,
+             in_shapes: tuple[tuple[int, ...], ...], out_shapes: tuple[tuple[int, ...], ...],
+             in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...], origin: str,
+             weight: float, collectives: tuple[PredictedCollective, ...],
+             redistributions: tuple[Redistribution, ...], flops: float = 0.0,
+             terms: tuple[float, float, float] | None = None,
+             runner_up: tuple[tuple[Spec, ...], tuple[Spec, ...]] | None = None,
+             runner_up_extra_s: float = 0.0, category: str = "other") -> OpDecision:
+        """The decision the constructor makes, its fields set at once: a frozen dataclass's
+        constructor sets each of the 18 through ``object.__setattr__``, which was a third of
+        making a plan's decisions (12,243 of them at 24 GPT layers: issue 14).
+
+        >>> d = OpDecision.made(0, "input", "x", "", "x", (), ((4,),), (), (Spec(((),)),),
+        ...                     "pinned", 1.0, (), ())
+        >>> d == OpDecision(0, "input", "x", "", "x", (), ((4,),), (), (Spec(((),)),),
+        ...                 "pinned", 1.0, (), ())
+        True
+        """
+        decision = object.__new__(cls)
+        decision.__dict__.update(
+            node=node, kind=kind, name=name, source=source, label=label, in_shapes=in_shapes,
+            out_shapes=out_shapes, in_specs=in_specs, out_specs=out_specs, origin=origin,
+            weight=weight, collectives=collectives, redistributions=redistributions,
+            flops=flops, terms=terms, runner_up=runner_up,
+            runner_up_extra_s=runner_up_extra_s, category=category)
+        return decision
+
     @property
     def comm_time(self) -> float:
         own = sum(c.time for c in self.collectives)

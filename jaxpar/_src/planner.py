@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from jaxpar._src.combine import layout_changes
 from jaxpar._src.context import ParallelMode, algo_parameters
-from jaxpar._src.cost import Collective, CostModel
+from jaxpar._src.cost import CostModel
 from jaxpar._src.errors import PlanError
-from jaxpar._src.graph import NodeKind, OpGraph
+from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
 from jaxpar._src.plan_files import input_mismatch, structure_mismatch
 from jaxpar._src.regather import split_inputs
@@ -148,52 +147,92 @@ def _decisions(graph: OpGraph, strategies: Mapping[int, OpStrategy],
                origins: Mapping[int, str], space: SearchSpace, details: Mapping[int, Any],
                scatters: Mapping[int, Scatter]) -> tuple[OpDecision, ...]:
     """Every node's decision: its layouts, own collectives (a reduce-scatter for the
-    contractions in ``scatters``) and the layout changes on its input edges, priced."""
+    contractions in ``scatters``) and the layout changes on its input edges, priced.
+
+    What a decision's pieces depend on is worked out once per kind and shared by the
+    nodes of repeated layers (issue 14: this ran per node over the whole graph): a strategy's
+    split, its own collectives for the node's result shapes, their prices at the node's loop
+    weight, whether two layouts differ; the caches are keyed by the objects' ids, which
+    ``strategies`` (and the caches' values) keep alive while this runs."""
     model: CostModel = space.model
+    mesh_split = model.split
+    values = graph.values
+    rules = space._rules
     decisions = []
     names: dict[Any, str] = {}  # each rule category's name (an enum's str() calls Python)
+    splits: dict[int, int] = {}  # id(strategy) -> devices its work is split over
+    owns: dict[tuple, tuple[PredictedCollective, ...]] = {}  # (id(strategy), shapes, weight)
+    differ: dict[tuple[int, int], bool] = {}  # (id(src), id(dst)) -> src != dst
     for node in graph.nodes:
-        in_shapes = tuple(graph.operand_shape(o) for o in node.inputs)
-        out_shapes = tuple(graph.values[v].shape for v in node.outputs)
+        nid = node.id
+        in_shapes = tuple([o.shape if isinstance(o, Const) else values[o].shape
+                           for o in node.inputs])
+        outputs = node.outputs
+        out_shapes = tuple([values[v].shape for v in outputs])
         if node.kind is NodeKind.CONTROL:
-            decisions.append(OpDecision(node.id, "control", node.name, node.source, "",
+            decisions.append(OpDecision.made(nid, "control", node.name, node.source, "",
                                         in_shapes, out_shapes, (), (), "", node.weight, (), ()))
             continue
-        strat = strategies[node.id]
-        scatter = scatters.get(node.id)
-        own: tuple[Collective, ...]
+        strat = strategies[nid]
+        scatter = scatters.get(nid)
+        weight = node.weight
+        priced: tuple[PredictedCollective, ...]
         if scatter is not None and scatter.partial:  # a term of a sum, added locally
-            own = ()
+            priced = ()
         elif scatter is not None:
-            value = graph.values[node.outputs[0]]
-            own = model.scatter_collectives(scatter.axes, scatter.summed, strat.out_specs[0],
-                                            value.shape, value.dtype)
+            value = values[outputs[0]]
+            priced = tuple(PredictedCollective.of(c, weight) for c in model.scatter_collectives(
+                scatter.axes, scatter.summed, strat.out_specs[0], value.shape, value.dtype))
+        elif not strat.partial:  # (most nodes: no collective of their own)
+            priced = ()
         else:
-            own = model.op_collectives(strat, out_shapes,
-                                       [graph.values[v].dtype for v in node.outputs])
+            key = (id(strat), out_shapes, tuple([values[v].dtype for v in outputs]), weight)
+            found = owns.get(key)
+            if found is None:
+                found = owns[key] = tuple(
+                    PredictedCollective.of(c, weight)
+                    for c in model.op_collectives(strat, out_shapes, key[2]))
+            priced = found
         redists = []
-        for i, operand, src, dst in layout_changes(graph, strategies, node.id):
-            value = graph.values[operand]
+        reads = strat.in_specs
+        for i, operand in enumerate(node.inputs):  # combine.layout_changes, its ids compared
+            if isinstance(operand, Const):
+                continue
+            value = values[operand]
             producer = value.producer
-            w = space.edge_weight(producer, node.id)
-            colls = model.redistribution(src, dst, value.shape, value.dtype)
-            redists.append(Redistribution(producer, value.index, node.id, i, src, dst,
-                                          tuple(PredictedCollective.of(c, w) for c in colls)))
-        detail = details.get(node.id)
+            src = strategies[producer].out_specs[value.index]
+            dst = reads[i]
+            if src is dst or producer == nid:
+                continue
+            pair = (id(src), id(dst))
+            changed = differ.get(pair)
+            if changed is None:
+                changed = differ[pair] = src != dst
+            if changed:
+                w = space.edge_weight(producer, nid)
+                colls = model.redistribution(src, dst, value.shape, value.dtype)
+                redists.append(Redistribution(producer, value.index, nid, i, src, dst,
+                                              tuple(PredictedCollective.of(c, w) for c in colls)))
+        detail = details.get(nid)
         extra: dict[str, Any] = {}  # OpDecision's optional fields, set where known
         if detail is not None:
             extra["terms"] = (detail.compute_s, detail.comm_s, detail.redistribution_s)
             if detail.runner_up is not None:
                 extra["runner_up"] = (detail.runner_up.in_specs, detail.runner_up.out_specs)
                 extra["runner_up_extra_s"] = detail.runner_up_extra_s
-        category = space.rule(node.id).category
+        rule = rules.get(nid)
+        if rule is None:
+            rule = space.rule(nid)
+        category = rule.category
         name = names.get(category)
         if name is None:
             name = names[category] = str(category)
-        decisions.append(OpDecision(
-            node.id, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
-            strat.in_specs, strat.out_specs, origins.get(node.id, ""),
-            node.weight, tuple(PredictedCollective.of(c, node.weight) for c in own)
-            if own else (), tuple(redists), flops=space.flops(node.id, strat),
+        split = splits.get(id(strat))
+        if split is None:
+            split = splits[id(strat)] = mesh_split(strat)
+        decisions.append(OpDecision.made(
+            nid, node.kind, node.name, node.source, node.label, in_shapes, out_shapes,
+            strat.in_specs, strat.out_specs, origins.get(nid, ""), weight, priced,
+            tuple(redists), flops=rule.flops / split * weight,  # space.flops, its split kept
             category=name, **extra))
     return tuple(decisions)

@@ -142,25 +142,39 @@ def build_problem(space: SearchSpace, pins: Sequence[Pin], *, ties: Sequence[tup
 
     # -- node costs ---------------------------------------------------------------------------
     hw = space.model.hw
-    cost = {r: np.zeros(len(cands[r])) for r in reps}
-    mem = {r: np.zeros(len(cands[r])) for r in reps}
+    cost: dict[int, np.ndarray] = {}
+    mem: dict[int, np.ndarray] = {}
     vectors: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    # A coarse node's vectors are the sum of its members' (in order), so coarse nodes whose
+    # members are alike, member by member, have equal sums: each is summed once and copied
+    # (issue 14: repeated layers repeat their coarse nodes; the sums were per node).
+    summed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    bucket_of = space.bucket_of
     for r in reps:
-        for nid, alike in layout.members[r]:
-            signature = (alike, space.bucket_of(nid)) if share else (nid,)
-            found = vectors.get(signature)
-            if found is None:  # repeated layers: price each kind of node once
-                options = cands[nid]
-                index = layout.follow[nid][1] if nid in layout.follow else None
-                strategies = options if index is None else [options[int(k)] for k in index]
-                times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
-                held = np.array([_result_bytes(space, nid, s) for s in strategies])
-                found = vectors[signature] = (times, held)
-            cost[r] += found[0]
-            mem[r] += found[1]
-        # Among equally fast plans prefer the one holding fewer bytes (a batch argument split
-        # rather than replicated and sliced): a picosecond per GiB breaks the tie.
-        cost[r] += TIE_BREAK_S_PER_BYTE * mem[r]
+        group = layout.members[r]
+        signatures = tuple([(alike, bucket_of(nid)) for nid, alike in group] if share
+                           else [(nid,) for nid, _ in group])
+        found_sum = summed.get(signatures)
+        if found_sum is None:
+            times_sum = np.zeros(len(cands[r]))
+            held_sum = np.zeros(len(cands[r]))
+            for (nid, _), signature in zip(group, signatures, strict=True):
+                found = vectors.get(signature)
+                if found is None:  # repeated layers: price each kind of node once
+                    options = cands[nid]
+                    index = layout.follow[nid][1] if nid in layout.follow else None
+                    strategies = options if index is None else [options[int(k)] for k in index]
+                    times = np.array([space.op_cost(nid, s).time(hw) for s in strategies])
+                    held = np.array([_result_bytes(space, nid, s) for s in strategies])
+                    found = vectors[signature] = (times, held)
+                times_sum += found[0]
+                held_sum += found[1]
+            # Among equally fast plans prefer the one holding fewer bytes (a batch argument
+            # split rather than replicated and sliced): a picosecond per GiB breaks the tie.
+            times_sum += TIE_BREAK_S_PER_BYTE * held_sum
+            found_sum = summed[signatures] = (times_sum, held_sum)
+        cost[r] = found_sum[0].copy()  # (the layout changes inside it are added below)
+        mem[r] = found_sum[1].copy()
     # layout changes inside a coarse node (a follower and its rep), in the build's order
     for r, k, seconds in layout.inner:
         cost[r][k] += seconds
@@ -189,8 +203,8 @@ class _Layout:
 
     Attributes:
       reps, cands, follow: as :class:`Problem`'s.
-      members: per rep, the graph nodes it stands for, each with what its price depends on
-        but the gradient bucket (nodes alike in it share one price per bucket).
+      members: per rep, the graph nodes it stands for, each with a number for what its price
+        depends on but the gradient bucket (nodes alike in it share one price per bucket).
       inner: ``(rep, candidate, seconds)`` of every layout change inside a coarse node, in
         the order the build adds them to the rep's cost.
       edges: the edge matrices between coarse nodes.
@@ -200,7 +214,7 @@ class _Layout:
     reps: list[int]
     cands: dict[int, tuple[OpStrategy, ...]]
     follow: dict[int, tuple[int, np.ndarray]]
-    members: dict[int, list[tuple[int, tuple]]]
+    members: dict[int, list[tuple[int, int]]]
     inner: list[tuple[int, int, float]]
     edges: dict[tuple[int, int], np.ndarray]
     searchable: int
@@ -318,14 +332,16 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
         return found
 
     # -- what each node's price depends on, but the bucket ------------------------------------
-    members: dict[int, list[tuple[int, tuple]]] = collections.defaultdict(list)
+    # (numbered: equal tuples one number, which the build's look-ups hash at once)
+    members: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    alike_ids: dict[tuple, int] = {}
     for nid in searchable:
         node = graph.nodes[nid]
         index = follow[nid][1] if nid in follow else None
         outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-        members[rep_of(nid)].append((nid, (
-            space.rule(nid), kinds[nid], None if index is None else index.tobytes(),
-            node.weight, outs, tuple(graph.operand_dtype(o) for o in node.inputs))))
+        alike = (space.rule(nid), kinds[nid], None if index is None else index.tobytes(),
+                 node.weight, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
+        members[rep_of(nid)].append((nid, alike_ids.setdefault(alike, len(alike_ids))))
 
     # -- edges --------------------------------------------------------------------------------
     inner: list[tuple[int, int, float]] = []
@@ -569,8 +585,8 @@ def _refine(colour: list[int], edges: Sequence[tuple[int, int, int, int]], class
     no class): nodes keep one colour while their colours and the multisets of their
     neighbours' ``(side, own port, its port, colour)`` are equal.  Only the partition counts
     (the colours' numbers are arbitrary); it is found with NumPy, node rows grouped by degree
-    and compared with ``np.unique`` (issue 14: per node in Python, these rounds were a third
-    of finding the groups at 96 layers).
+    and compared by sorting (:func:`_row_classes`; issue 14: per node in Python, these rounds
+    were a third of finding the groups at 96 layers).
 
     >>> colours = _refine([0, 0, 0, 0], [(0, 0, 1, 0), (2, 0, 3, 0)], 1)  # 0 -> 1, 2 -> 3
     >>> colours[0] == colours[2] != colours[1] == colours[3]
@@ -605,15 +621,35 @@ def _refine(colour: list[int], edges: Sequence[tuple[int, int, int, int]], class
             rows[:, 0] = current[nodes]
             if d:
                 rows[:, 1:] = value[start[nodes][:, None] + np.arange(d)]
-            _, inverse = np.unique(rows, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
+            inverse, classes_here = _row_classes(rows)
             new[nodes] = found + inverse
-            found += int(inverse.max()) + 1
+            found += classes_here
         current = new
         if found == classes:
             break
         classes = found
     return current.tolist()
+
+
+def _row_classes(rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per row of ``rows``, a number shared by the equal rows only, and how many numbers:
+    ``np.unique(rows, axis=0, return_inverse=True)``'s partition, found by sorting the rows
+    with ``np.lexsort`` (``np.unique`` of rows sorts them as opaque bytes, one comparison
+    call per pair: issue 14, two fifths of a colour refinement at 24 GPT layers).
+
+    >>> inverse, n = _row_classes(np.array([[1, 2], [0, 5], [1, 2]]))
+    >>> inverse.tolist(), n
+    ([1, 0, 1], 2)
+    """
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.empty(len(rows), dtype=np.int64)
+    starts[0] = 1
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    numbers = np.cumsum(starts) - 1
+    inverse = np.empty(len(rows), dtype=np.int64)
+    inverse[order] = numbers
+    return inverse, int(numbers[-1]) + 1
 
 
 REFINE_ROUNDS = 4  # enough to reach from a parameter through its optimizer update
