@@ -369,6 +369,48 @@ def test_propagation_answers_each_repeated_question_once(monkeypatch):
     assert once < len(answered) / 2, (once, len(answered))
 
 
+@pytest.mark.parametrize("model", ["scan_cumprod", "bert_stack"])
+def test_propagation_answers_remembered_are_the_fresh_ones_in_loops_and_stacks(model, monkeypatch):
+    """The remembered answers (issue 14) are keyed by all that an answer reads: in a scan's body
+    an operator alike one outside runs once per trip (its edges weigh more), and a BERT stack's
+    operators of one kind meet neighbours of other dtypes and layouts; every node still gets the
+    strategy that answering its question afresh gives, the memory answering fewer questions."""
+    from jaxpar._src.pins import baseline_pins
+    from jaxpar._src.search import propagation
+    from tests import auto_models
+
+    fn, args = getattr(auto_models, model)()[:2]
+    program = trace(fn, args)
+    model_ = CostModel(MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp"))), HardwareProfile())
+    space = SearchSpace(program.graph, model_)
+    pins = list(baseline_pins(program, space, [1], [], api="test"))
+    answered = []
+    answer = propagation._best_response
+    monkeypatch.setattr(propagation, "_best_response",
+                        lambda *a: answered.append(a[1]) or answer(*a))
+    remembered = propagation.propagate(space, pins).strategies
+    once = len(answered)
+    ask = propagation.best_response
+    monkeypatch.setattr(propagation, "best_response", lambda s, v, d, _=None: ask(s, v, d))
+    answered.clear()
+    fresh = propagation.propagate(SearchSpace(program.graph, model_), pins).strategies
+    assert fresh == remembered
+    assert once < len(answered), (once, len(answered))
+    weights = {program.graph.nodes[n].weight for n in fresh}
+    assert model != "scan_cumprod" or len(weights) > 1  # the loop's body was propagated into
+    # nodes asking one question read the same weights and element types of their edges
+    graph, read = program.graph, {}
+    for n in fresh:
+        edges = [(e, fresh[o]) for e in graph.neighbours(n)
+                 for o in [e.consumer if e.producer == n else e.producer]
+                 if o != n and o in fresh]
+        reads = (graph.nodes[n].weight, [space.edge_weight(e.producer, e.consumer)
+                                         for e, _ in edges],
+                 [graph.values[graph.nodes[e.producer].outputs[e.out_index]].dtype
+                  for e, _ in edges])
+        assert read.setdefault(propagation._question(space, n, edges), reads) == reads, n
+
+
 def test_equal_rules_are_one_object_and_layouts_compare_as_dataclasses():
     """The nodes of repeated layers derive equal rules; the search space keeps one object per
     distinct rule (issue 14: the caches keyed by rules then hit by identity), and layouts and

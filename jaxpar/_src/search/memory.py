@@ -171,7 +171,8 @@ def _buffers(graph: OpGraph, structure: _Structure, specs: Any, mesh: MeshShape,
     spans: dict[tuple[int, Spec, bool], list[int]] = {}
     for nid, i, o, producer, index, output, outs in structure.reads:
         spec = specs[nid].in_specs[i]
-        if spec == specs[producer].out_specs[index]:
+        src = specs[producer].out_specs[index]
+        if spec is src or spec == src:  # (most are the same object)
             continue
         at = 2 * nid - 1  # made just before its reader
         stop = last if output else max([2 * nid] + [end[x] for x in outs if x in fused])
@@ -230,15 +231,18 @@ def _ends(graph: OpGraph, fused: set[int]) -> tuple[dict[int, int], dict[int, in
     structure = _structure(graph)
     end: dict[int, int] = {}
     soft: dict[int, int] = {}
+    every = fused.issuperset
     for vid, at, readers in structure.readers:
         e = f = at
         for at_reader, outs, fusible in readers:
-            if outs and all(o in fused for o in outs):
+            if outs and every(outs):
                 e = max(e, *(end.get(o, at_reader) for o in outs))
                 f = max(f, *(soft.get(o, at_reader) for o in outs))
-            else:
-                e = max(e, at_reader)
-                f = max(f, at_reader - fusible)
+            else:  # (the common case: comparisons, not calls of max)
+                if at_reader > e:
+                    e = at_reader
+                if at_reader - fusible > f:
+                    f = at_reader - fusible
         end[vid], soft[vid] = e, f
     return end, soft
 
@@ -284,27 +288,30 @@ def _structure(graph: OpGraph) -> _Structure:
     if found is not None:
         return found
     nodes = graph.nodes
+    op = NodeKind.OP
+    fusing = [node.kind is op and node.name in _FUSING_READERS for node in nodes]
     fusible = []
     for node in nodes:
-        if node.kind is not NodeKind.OP or node.name not in FUSIBLE or len(node.outputs) != 1:
+        if node.kind is not op or node.name not in FUSIBLE or len(node.outputs) != 1:
             continue
         vid = node.outputs[0]
         uses = graph.consumers[vid]
         if not uses or (len(uses) > 1 and node.name in _EXPENSIVE):
             continue
-        if all(nodes[u.consumer].kind is NodeKind.OP and
-               nodes[u.consumer].name in _FUSING_READERS for u in uses):
-            fusible.append((node.id, vid, tuple((u.consumer, u.in_index) for u in uses)))
+        if all([fusing[c] for c, _ in uses]):
+            fusible.append((node.id, vid, tuple([(c, i) for c, i in uses])))
+    # what a value's reader is to :func:`_ends`, found once per reader (not once per read)
+    reader = [(2 * node.id, tuple(node.outputs), int(node.kind is op and node.name in FUSIBLE))
+              for node in nodes]
+    consumers = graph.consumers
     readers = []
     for node in reversed(nodes):
         for vid in node.outputs:
-            readers.append((vid, 2 * node.id, [
-                (2 * u.consumer, tuple(nodes[u.consumer].outputs),
-                 int(nodes[u.consumer].kind is NodeKind.OP and
-                     nodes[u.consumer].name in FUSIBLE))
-                for u in graph.consumers[vid]]))
-    values = [(v.id, v.producer, v.index, v.nbytes,
-               nodes[v.producer].kind in (NodeKind.INPUT, NodeKind.CONST)) for v in graph.values]
+            readers.append((vid, 2 * node.id, [reader[u.consumer] for u in consumers[vid]]))
+    nbytes = [v.nbytes for v in graph.values]
+    held = (NodeKind.INPUT, NodeKind.CONST)
+    values = [(v.id, v.producer, v.index, nbytes[v.id], nodes[v.producer].kind in held)
+              for v in graph.values]
     reads = [(node.id, i, o, graph.values[o].producer, graph.values[o].index,
               node.kind is NodeKind.OUTPUT, tuple(node.outputs))
              for node in nodes if node.kind is not NodeKind.CONTROL
@@ -316,8 +323,8 @@ def _structure(graph: OpGraph) -> _Structure:
             arg = graph.values[node.inputs[0]].producer
             if nodes[arg].kind is NodeKind.INPUT:
                 pinned.append((node.outputs[0], node.id, arg))
-    found = _STRUCTURES[graph] = _Structure(fusible, readers, values, reads,
-                                            [v.nbytes for v in graph.values], pinned, [])
+    found = _STRUCTURES[graph] = _Structure(fusible, readers, values, reads, nbytes, pinned,
+                                            [])
     return found
 
 

@@ -135,11 +135,12 @@ def _dataflow(graph: OpGraph) -> tuple[dict[int, set[int]], dict[int, set[int]]]
     """Producers and consumers per node, leaving out loop back edges and control nodes."""
     producers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
     consumers: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
-    for e in graph.priced_edges():
-        if graph.nodes[e.consumer].role is Role.CARRY and e.in_index == 1:
+    carries = {n.id for n in graph.nodes if n.role is Role.CARRY}  # (few: found once)
+    for producer, _, consumer, in_index in graph.priced_edges():
+        if in_index == 1 and consumer in carries:
             continue  # the back edge: deciding the carry must not wait for the loop body
-        producers[e.consumer].add(e.producer)
-        consumers[e.producer].add(e.consumer)
+        producers[consumer].add(producer)
+        consumers[producer].add(consumer)
     return producers, consumers
 
 
@@ -165,11 +166,14 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
     propagation of a deep model answered it once per operator)."""
     graph = space.graph
     edges: list[tuple[Edge, OpStrategy]] = []  # to decided neighbours, with their strategy
+    nodes, control = graph.nodes, NodeKind.CONTROL
+    get = decided.get
     for e in graph.neighbours(v):
         other = e.consumer if e.producer == v else e.producer
-        if other == v or other not in decided or graph.nodes[other].kind is NodeKind.CONTROL:
+        strategy = get(other)
+        if strategy is None or other == v or nodes[other].kind is control:
             continue
-        edges.append((e, decided[other]))
+        edges.append((e, strategy))
     if answers is None:
         return _best_response(space, v, edges)
     question = _question(space, v, edges)
@@ -186,15 +190,17 @@ def _question(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]) 
     strategy and what a layout change on it costs (the value's shape and dtype, the edge's
     weight)."""
     graph = space.graph
-    node = graph.nodes[v]
+    nodes, values, weight = graph.nodes, graph.values, space.edge_weight
+    node = nodes[v]
     ports = []
     for e, other in edges:
-        value = graph.values[graph.nodes[e.producer].outputs[e.out_index]]
-        ports.append((e.producer == v, e.out_index, e.in_index, other, value.shape,
-                      value.dtype, space.edge_weight(e.producer, e.consumer)))
+        producer, out_index, consumer, in_index = e
+        value = values[nodes[producer].outputs[out_index]]
+        ports.append((producer == v, out_index, in_index, other, value.shape, value.dtype,
+                      weight(producer, consumer)))
     return (space.rule(v), node.weight, space.bucket_of(v),
             tuple([graph.operand_dtype(o) for o in node.inputs]),
-            tuple([graph.values[o].dtype for o in node.outputs]), tuple(ports))
+            tuple([values[o].dtype for o in node.outputs]), tuple(ports))
 
 
 def _best_response(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]
