@@ -394,15 +394,17 @@ def test_the_split_check_counts_the_interleaved_stages_weights_copied_into_the_l
     state for the whole loop (its ticks slice the repeat they run): the loop's memory counts
     that copy (``memory._stack_copy_arrays``), before the loop is traced (the split's check)
     and after.  The toy's Adam step under GPipe on ``(dp, pp) = (2, 2)`` splits (2, 2, 2, 2);
-    without the copy the check was 0.882 of the compiled total, now 0.965 (the GPT's S=4 M=16
-    1F1B ``v = 2`` row of ``bench/pipeline_memory.py``: 0.935 then, 0.986 now)."""
+    without the copy the check was 0.882 of the compiled total, then 0.965, and 0.985 since it
+    counts the loop's micro-batched copy of the batch (4 KiB; without the stack's copy 0.903)
+    (the GPT's S=4 M=16 1F1B ``v = 2`` row of ``bench/pipeline_memory.py``: 0.935 then, 0.986
+    with the copy, 0.988 with the batch's)."""
     config = {"pipeline_scheduler": "gpipe", "pipeline_interleave": True}
     plan, mem = _step(2, 4, config, dp=2, adam=True, stack=True, state=True)
     split, loop = plan.pipeline.split, plan.pipeline.memory
     assert split.counts == (2, 2, 2, 2), split
     assert loop.stack_copy == 2 * 2 * 32 * 32 * 4  # [v, k, 32, 32] of the stage, per device
     assert split.memory_bytes / mem["total"] >= 0.95, (split, mem)
-    assert (split.memory_bytes - loop.stack_copy) / mem["total"] < 0.9, (split, mem)
+    assert (split.memory_bytes - loop.stack_copy) / mem["total"] < 0.92, (split, mem)
     assert abs(plan.memory_bytes / mem["total"] - 1) <= TOLERANCE, (plan.memory_bytes, mem)
 
 

@@ -78,3 +78,24 @@ def test_an_integer_division_of_a_sum_is_refused():
     _, _, tail = _tail(lambda h, m, w: jax.lax.div(jnp.sum(m), 3).astype(jnp.float32),
                        m_dtype=jnp.int32)
     assert isinstance(tail, str) and tail.startswith("div rounds a sum over the rows"), tail
+
+
+def test_a_gather_in_the_tail_is_refused_so_the_plan_lowers_it():
+    """The proven tail is bound with ``bind_equation`` inside the loop's ``shard_map``, not
+    through the plan's lowering, which evaluates a ``take_along_axis`` over a split dimension
+    as a masked sum (``masked_gather.py``: XLA's partitioner aborts the process on that gather
+    there).  A gather never enters it: reading the rows, or a sum over them, it is no sum
+    itself, so the tail stays whole (run by the plan), and the label's logit of a
+    cross-entropy is picked per row, by the head, before the tail's sum."""
+    sums = lambda h, m, w: jnp.take_along_axis(jnp.mean(h, 0), jnp.array([1]), 0)[0]  # noqa: E731
+    _, _, tail = _tail(sums)
+    assert isinstance(tail, str) and tail.startswith("gather of a sum over the rows"), tail
+    rows = lambda h, m, w: jnp.take_along_axis(h, jnp.ones((ROWS, 1), int), -1).sum()  # noqa: E731
+    _, _, tail = _tail(rows)
+    assert isinstance(tail, str) and tail.startswith("gather of the rows is not a sum"), tail
+    for fn, _ in AFFINE:  # what a proven tail binds: sums over the rows and linear operators
+        g, _, tail = _tail(fn)
+        assert {g.nodes[n].name for n in tail.rows} <= {
+            "reduce_sum", "add", "sub", "mul", "div", "neg", "reshape", "squeeze",
+            "convert_element_type", "broadcast_in_dim", "copy", "copy_p", "transpose",
+            "expand_dims", "sharding_constraint"}, tail

@@ -90,15 +90,21 @@ def test_priced_epilogue_collectives_match_the_compiled_loop(name, pick):
     trips = {r.count for r in colls.of("collective-permute") if r.count > 1}
     assert len(trips) == 1, colls.table()
     looped: dict[tuple[str, ...], float] = {}
+    issued = 0  # the loop's collectives off pp, after XLA's combiner
     for r in colls:
         if r.count in trips and r.axes and "pp" not in r.axes:
             key = tuple(sorted(r.axes))
             looped[key] = looped.get(key, 0.0) + r.nbytes
+            issued += 1
     priced = program.epilogue_comm
     assert priced.bytes_by_axes() == looped, (priced, colls.table())
+    # combined as XLA combines them: the loss's two independent sums over tp are one
+    # all-reduce (its max another, the head input's cotangent a third), one latency each
+    assert len(priced.forward + priced.backward) == issued, (priced, colls.table())
     assert program.ends.epilogue and program.ends.affine is not None, program.ends
     if name == "column over tp":
         assert looped == {("tp",): 3 * 64 + 1024}
+        assert sorted(c.members for c in priced.forward) == [1, 2], priced
         assert {c.axes for c in priced.backward} == {("tp",)}
     else:
         assert looped == {}

@@ -14,10 +14,11 @@ splits the weights, and :func:`early_memory` counts, per device:
   at level 3, like their moments) and the rest; where the step passes each layer's weights
   (``Draft.per_layer``: no ``StackedParams``), every layer's too, whole over ``"pp"``
   (each stage holds all of them), with their gradients and optimizer state;
-* **gathered**: at level 3 the stacked weights the step gathers whole before the loop;
+* **gathered**: at level 3 the stacked weights the step gathers whole before the loop (the
+  rest's it gathers too are counted whole among the weights, their split arguments left out);
 * **gradients**: the loop's results, the stacked ones reduce-scattered over the row axes where
   ZeRO splits them (``1/G``), the rest's as their accumulators are laid out;
-* **batch**: the micro-batched batch;
+* **batch**: the batch as the step passes it and, micro-batched, the loop's copy of it;
 * **loop**: ``memory.loop_memory`` of the draft, with a layer's stored residuals estimated
   from the leaves ``jax.vjp`` of one layer keeps (``residuals.layer_stored``): the slots,
   the row groups' ``[v, G, k, ...]`` accumulators and the reduce-scatter's operand, the
@@ -32,8 +33,9 @@ splits the weights, and :func:`early_memory` counts, per device:
 Left out: the step's own temporaries; the step's plan counts them (``plan.memory_bytes``).
 A layer's stored residuals, once every operator result of the layer (26.1 KiB against the
 probe's 13.9 on the bench's GPT), are the leaves ``jax.vjp`` of one layer keeps (13.4 KiB;
-equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.950-1.065
-of the compiled total on the 19 bench rows (README; mean |error| 1.7%), 0.741-1.031 without it.
+equal to the probe's on the tests' toy and MLP).  With Adam's state the check is 0.952-1.065
+of the compiled total on the 19 bench rows (README; mean |error| 1.74%), 0.741-1.031 without it
+(before the batch's copy was counted).
 
 >>> from jaxpar._src.pipeline.early import EarlyMemory
 >>> EarlyMemory(weights=10.0, gathered=0.0, gradients=10.0, batch=1.0, loop=50.0).total
@@ -134,6 +136,9 @@ def early_memory(draft: Draft) -> EarlyMemory:
     for i, vid in enumerate(draft.rest):
         value = graph.values[vid]
         spec = draft.spec(vid)
+        # whole, at level 3 too: there the step passes it split as its moments (1/G) and
+        # gathers it whole before the loop; the whole value stands for the gathered copy, the
+        # slice is left out (counting it put the checks over: README)
         weights += local_bytes(value, spec, mesh)
         if not _inexact(value):
             continue
@@ -143,7 +148,11 @@ def early_memory(draft: Draft) -> EarlyMemory:
             dims[dim] = dims[dim] + axes
             spec = Spec(tuple(dims))
         grads += local_bytes(value, spec, mesh)
-    batch = M * sum(local_bytes(graph.values[b], draft.spec(b), mesh) for b in draft.batch)
+    # the batch as passed and, micro-batched (rows m::M of each micro-batch m), the loop's
+    # [M, ...] copy of it, live through the loop (a transpose: the toy's [64, 32] batch as a
+    # [4, 16, 32] ``wrapped_copy`` at the peak of its dp=1 steps, --xla_dump_to)
+    batch = (2 if M > 1 else 1) * M * sum(local_bytes(graph.values[b], draft.spec(b), mesh)
+                                          for b in draft.batch)
     return EarlyMemory(weights, gathered, grads, batch,
                        loop_memory(draft, backward=draft.schedule.has_backward).total,
                        draft.state_copies * _state_copy(draft, mesh) if draft.state_copies

@@ -27,6 +27,17 @@ Anything else that reads a ``ROW``, ``LIN`` or ``AFF`` value (a ``log`` of a mea
 the rows, a ratio of two sums, a scale read from a weight, a loop) keeps the tail on the whole
 micro-batch, and ``explain()`` says which operator.  :func:`run_tail` evaluates the proven
 tail's linear part (per group, ``FREE`` terms added dropped) or its offset (the sums zero).
+
+:func:`run_tail` binds the tail's equations inside the loop's ``shard_map`` as they are, not
+through the plan's lowering (``lower.py``), which turns a ``take_along_axis`` over a split
+dimension into a masked sum (``masked_gather.py``: XLA's partitioner aborts the process on
+that gather there).  No gather reaches it: the ``ROW``/``LIN``/``AFF`` operators it binds are
+the sums over the rows and the linear operators above, and a gather reading the rows or a sum
+over them is refused ("gather of the rows is not a sum over them"), which leaves the tail to
+the plan.  A cross-entropy's label pick is per row, in the head (the plan's lowering), before
+the tail's sum (``tests/test_pipeline_tail.py``; optax's loss over a vocabulary split on
+``tp``: ``tests/test_pipeline_transpose.py``).  The ``FREE`` nodes run as a piece of the plan
+(``Pieces.epilogue_part``); :func:`run_free` is for checks.
 """
 
 from __future__ import annotations

@@ -20,6 +20,16 @@ Where the epilogue runs per row group (``ends.py``), a grouped weight's gradient
 the row axes once after the loop, not per micro-batch, and a tail proven affine (``tail.py``)
 takes its sum over the rows a group at a time: those collectives leave the loop.
 
+XLA's all-reduce combiner (``combine.py``) then merges independent all-reduces of one reduction,
+element type and set of axes into one instruction, which pays its latency once: the forward's
+are combined as it does (:func:`combined`: in order, an all-reduce joins the open group of its
+key unless it depends on a member), and the backward's too, their dependencies reversed (a
+cotangent's all-reduce waits for those of the operators that read the value it belongs to).
+The loss of a column-split head (``tests/test_pipeline_transpose.py``) has three forward
+all-reduces over ``tp``, its max and two sums, which the compiled loop runs as two (the max;
+the two independent sums in one); priced one by one they were four latencies with the
+backward's, now three, as the loop has them.
+
 >>> import jax.numpy as jnp, jaxpar
 >>> from jax.sharding import PartitionSpec as P
 >>> f = jaxpar.parallelize(lambda h, w: jnp.sum(h @ w), mesh=jaxpar.make_mesh((2, 2),
@@ -39,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -97,16 +108,20 @@ def epilogue_collectives(graph: OpGraph, plan: ShardingPlan, nodes: Sequence[int
     model = CostModel(mesh, hardware)
     rows = frozenset(row_axes)
     active = {v for v in seeds if _is_float(graph, v)}
-    forward: list[PredictedCollective] = []
-    backward: list[PredictedCollective] = []
+    forward: list[_Raw] = []
+    backward: list[_Raw] = []
+    order = [nid for top in nodes for nid in members(graph, top)]
+    inside = set(order)
     for top in nodes:
         in_tail = top in group_tail
         for nid in members(graph, top):
             node, d = graph.nodes[nid], plan.decisions[nid]
-            for c in list(d.collectives) + [c for r in d.redistributions
-                                             for c in r.collectives]:
+            own = [(c, _reduction(node.name), _dtype(graph, node.outputs)) for c in d.collectives]
+            edges = [(c, "", _dtype(graph, [node.inputs[r.in_index]]))
+                     for r in d.redistributions for c in r.collectives]
+            for c, red, dtype in own + edges:
                 if not (in_tail and c.axes and set(c.axes) <= rows):
-                    forward.append(c)
+                    forward.append(_Raw(c, nid, (c.kind, red, dtype, c.axes, c.count)))
             ins = list(node.inputs)
             live = [i for i, o in enumerate(ins) if not isinstance(o, Const) and o in active]
             if not live or node.name in NO_COTANGENT:
@@ -128,7 +143,9 @@ def epilogue_collectives(graph: OpGraph, plan: ShardingPlan, nodes: Sequence[int
                     nbytes = math.prod(v.shape) * itemsize(v.dtype) * spec.shard_fraction(mesh)
                     summed = model.collective("all-reduce", nbytes, axes, reduction="sum")
                     if summed.wire_bytes > 0:
-                        backward.append(PredictedCollective.of(summed, d.weight))
+                        c = PredictedCollective.of(summed, d.weight)
+                        backward.append(_Raw(c, nid, (c.kind, "sum", str(v.dtype), c.axes,
+                                                      c.count)))
             for r in d.redistributions:
                 o = ins[r.in_index]
                 if r.in_index not in live or isinstance(o, Const):
@@ -136,8 +153,115 @@ def epilogue_collectives(graph: OpGraph, plan: ShardingPlan, nodes: Sequence[int
                 v = graph.values[o]
                 for moved in model.redistribution(r.dst, r.src, tuple(v.shape), v.dtype):
                     if moved.wire_bytes > 0:
-                        backward.append(PredictedCollective.of(moved, d.weight))
-    return EpilogueComm(tuple(forward), tuple(backward))
+                        c = PredictedCollective.of(moved, d.weight)
+                        backward.append(_Raw(c, nid, (c.kind, "", str(v.dtype), c.axes,
+                                                      c.count)))
+    return EpilogueComm(
+        tuple(combined(forward, _depends(graph, order, inside, forward, reverse=False), model)),
+        tuple(combined(backward, _depends(graph, order, inside, backward, reverse=True),
+                       model)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """One of the epilogue's collectives before XLA's combiner: its operator and the key
+    XLA combines by (kind, reduction, element type, axes, executions)."""
+
+    collective: PredictedCollective
+    node: int
+    key: tuple
+
+
+def combined(raw: Sequence[_Raw], deps: Sequence[int], model: CostModel
+             ) -> list[PredictedCollective]:
+    """``raw`` (in the order XLA meets them) as XLA's combiner issues them (``combine.py``'s
+    walk): the first left opens a group, later ones of its key join until one depends on a
+    member (``deps``: bitsets over ``raw``) or the group would pass the threshold
+    (``HardwareProfile.combine_threshold``; 0: never combined); each group one collective,
+    one latency for the members' bytes.
+
+    >>> from jaxpar._src.spec import MeshShape
+    >>> model = CostModel(MeshShape(("tp",), (2,)), HardwareProfile())
+    >>> c = PredictedCollective.of(model.collective("all-reduce", 64.0, ("tp",)), 1.0)
+    >>> key = ("all-reduce", "sum", "float32", ("tp",), 1.0)
+    >>> [x.members for x in combined([_Raw(c, 0, key)] * 2, [0, 0], model)]  # independent
+    [2]
+    >>> [x.members for x in combined([_Raw(c, 0, key)] * 2, [0, 1], model)]  # the 2nd reads the 1st
+    [1, 1]
+    """
+    deps = list(deps)
+    left = list(range(len(raw)))
+    out: list[PredictedCollective] = []
+    while left:
+        first = raw[left[0]]
+        limit = model.hw.combine_threshold(first.collective.kind)
+        group, mask, size = [left[0]], 1 << left[0], first.collective.nbytes
+        for k in left[1:] if limit > 0 else ():
+            c = raw[k].collective
+            if raw[k].key != first.key:
+                continue
+            if deps[k] & mask or size + c.nbytes > limit:
+                break
+            group.append(k)
+            mask |= 1 << k
+            size += c.nbytes
+        left = [k for k in left if not mask >> k & 1]
+        closure = mask
+        for k in group:
+            closure |= deps[k]
+        for k in left:  # what waited for a member now waits for the group
+            if deps[k] & mask:
+                deps[k] |= closure
+        cs = [raw[k].collective for k in group]
+        if len(cs) == 1:
+            out.append(cs[0])
+            continue
+        c0 = cs[0]
+        time = model.collective_time(c0.kind, size, c0.axes)
+        out.append(PredictedCollective(c0.kind, c0.axes, size, sum(c.wire_bytes for c in cs),
+                                       time * c0.count, c0.count, len(cs)))
+    return out
+
+
+def _depends(graph: OpGraph, order: Sequence[int], inside: Collection[int],
+             raw: Sequence[_Raw], *, reverse: bool) -> list[int]:
+    """Per raw collective, the bitset of those it waits for through the epilogue's dataflow
+    (``order``: its operators in order): forward, those of the operators it reads from;
+    ``reverse`` (the backward's), those of the operators that read its operator's results."""
+    own: dict[int, int] = {}
+    for k, r in enumerate(raw):
+        own[r.node] = own.get(r.node, 0) | 1 << k
+    reach: dict[int, int] = {}  # what an operator's results wait for (reversed: feed)
+    before: dict[int, int] = {}  # what its own collectives wait for
+    for nid in (reversed(order) if reverse else order):
+        node = graph.nodes[nid]
+        acc = 0
+        if reverse:
+            for v in node.outputs:
+                for reader, _ in graph.consumers[v]:
+                    if reader in inside and reader != nid:
+                        acc |= reach.get(reader, 0)
+        else:
+            for o in node.inputs:
+                if isinstance(o, int) and graph.values[o].producer in inside:
+                    acc |= reach.get(graph.values[o].producer, 0)
+        reach[nid] = acc | own.get(nid, 0)
+        before[nid] = acc
+    return [before[r.node] for r in raw]
+
+
+def _reduction(name: str) -> str:
+    """The reduction of an operator's partial results (what its all-reduces combine by)."""
+    return {"reduce_max": "max", "max": "max", "argmax": "max", "reduce_min": "min",
+            "min": "min", "argmin": "min", "reduce_prod": "prod"}.get(name, "sum")
+
+
+def _dtype(graph: OpGraph, vids: Sequence[Any]) -> str:
+    """The element type of the first value of ``vids`` (a constant's: none)."""
+    for v in vids:
+        if isinstance(v, int):
+            return str(graph.values[v].dtype)
+    return ""
 
 
 def _is_float(graph: OpGraph, vid: int) -> bool:
