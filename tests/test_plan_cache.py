@@ -1,6 +1,8 @@
 """The persistent plan cache (jaxpar.config.plan_cache_dir): a hit skips the search and gives
 the same layouts and numbers; any change of the key misses; a bad entry warns and is replaced."""
 
+import dataclasses
+import json
 import os
 import warnings
 
@@ -191,3 +193,62 @@ def test_an_unusable_entry_or_index_warns_from_parallelize_and_is_replaced(
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxpar.JaxparWarning)
         _auto(mesh)(*args)
+
+
+def test_a_loaded_plans_decisions_are_converted_when_read_and_equal_the_searched(
+        cache_dir, searches):
+    """A hit's plan holds its decisions in their JSON form (plan_json.LoadedDecisions): a call
+    with the executable loaded converts the arguments' only, and each decision, once read,
+    equals the searched plan's (so do the plan, its hash, JSON and pickle)."""
+    import pickle
+
+    from jaxpar._src.plan_json import LoadedDecisions
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    first = _auto(mesh)
+    want = first(*args)
+    searched = first.plan(*args)
+    flush()  # the executable kept beside the entry
+    again = _auto(mesh)
+    np.testing.assert_array_equal(np.asarray(again(*args)), np.asarray(want))
+    entry = again.compiled_entry(*args)
+    assert entry.loaded is not None  # the executable too: nothing lowered
+    decisions = entry.plan.decisions
+    assert isinstance(decisions, LoadedDecisions)
+    made = sum(d is not None for d in decisions._made)
+    assert made == len(searched.inputs) < len(decisions)
+    assert [decisions.header(i) for i in range(len(decisions))] == [
+        (d.kind, d.name, d.out_shapes) for d in searched.decisions]
+    assert decisions == searched.decisions and searched.decisions == decisions
+    assert tuple(decisions) == searched.decisions and decisions[1:3] == searched.decisions[1:3]
+    plan = dataclasses.replace(entry.plan, notes=searched.notes)
+    assert plan == searched and hash(plan) == hash(searched)
+    assert plan.to_json() == searched.to_json()
+    assert plan.explain() == searched.explain()
+    copy = pickle.loads(pickle.dumps(plan))
+    assert type(copy.decisions) is tuple and copy == searched
+    assert searches[0] == 1
+
+
+def test_a_loaded_decision_edited_by_hand_is_named_when_read(cache_dir, searches):
+    """An edit the entry's check does not read (a layout) is found where that decision is
+    converted: a PlanError naming the entry; an edit it reads (an operator) warns and the plan
+    is searched again."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    args = _args()
+    _auto(mesh).plan(*args)
+    (path,) = [e for e in cache_dir.iterdir() if e.suffix == ".json"]
+    data = json.loads(path.read_text())
+    ops = [i for i, d in enumerate(data["plan"]["decisions"]) if d["kind"] == "op"]
+    del data["plan"]["decisions"][ops[-1]]["in_specs"]
+    path.write_text(json.dumps(data))
+    plan = _auto(mesh).plan(*args)  # the key still matches: a hit
+    assert searches[0] == 1 and plan.notes[-1].startswith(HIT_NOTE)
+    with pytest.raises(jaxpar.PlanError, match=f"decision {ops[-1]} of plan cache entry"):
+        plan.explain()
+    data["plan"]["decisions"][ops[-1]]["name"] = "not_an_operator"
+    path.write_text(json.dumps(data))
+    with pytest.warns(jaxpar.JaxparWarning, match="does not fit this program"):
+        plan = _auto(mesh).plan(*args)
+    assert searches[0] == 2 and not any(n.startswith(HIT_NOTE) for n in plan.notes)

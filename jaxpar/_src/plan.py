@@ -181,7 +181,7 @@ class ShardingPlan:
     device_ids: tuple[int, ...]
     parallel_mode: str
     search_mode: str
-    decisions: tuple[OpDecision, ...]
+    decisions: Sequence[OpDecision]  # by node id: a tuple (a loaded plan's: plan_json.py)
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     notes: tuple[str, ...] = ()

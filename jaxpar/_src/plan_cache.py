@@ -187,12 +187,12 @@ def entry_plan(entry: Mapping[str, Any], path: str, graph: OpGraph, *, api: str
                ) -> ShardingPlan | None:
     """The plan of an entry read from ``path`` if it fits ``graph``, with the note that it was
     loaded; else ``None``, with a warning."""
-    try:
-        plan = plan_from_dict(entry["plan"], source=f"plan cache entry {path!r}")
+    try:  # the decisions converted when read (plan_json.LoadedDecisions)
+        plan = plan_from_dict(entry["plan"], source=f"plan cache entry {path!r}", lazy=True)
+        differs = structure_mismatch(plan, graph)
     except (PlanError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         _ignored(api, path, f"its plan is not well-formed ({type(e).__name__}: {e})")
         return None
-    differs = structure_mismatch(plan, graph)
     if differs is not None:
         _ignored(api, path, f"its plan does not fit this program: {differs}")
         return None

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from jaxpar._src.errors import PlanError
 from jaxpar._src.graph import OpGraph
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.plan_json import FORMAT, READS, plan_from_dict
+from jaxpar._src.plan_json import FORMAT, READS, LoadedDecisions, plan_from_dict
 
 
 def plan_from_json(text: str, *, source: str = "the text") -> ShardingPlan:
@@ -100,12 +100,18 @@ def structure_mismatch(saved: ShardingPlan, graph: OpGraph) -> str | None:
     if len(saved.decisions) != len(graph.nodes):
         return (f"it has {len(saved.decisions)} nodes; this program has {len(graph.nodes)}. It was "
                 f"made for another program or other argument shapes")
-    for node, d in zip(graph.nodes, saved.decisions, strict=True):
+    decisions = saved.decisions
+    # a loaded plan's headers are read without converting its decisions (plan_json.py)
+    headers = (decisions.header(i) for i in range(len(decisions))) \
+        if isinstance(decisions, LoadedDecisions) else \
+        ((d.kind, d.name, d.out_shapes) for d in decisions)
+    for node, there in zip(graph.nodes, headers, strict=True):
         shapes = tuple(graph.values[v].shape for v in node.outputs)
-        if (node.kind, node.name, shapes) != (d.kind, d.name, d.out_shapes):
+        if (node.kind, node.name, shapes) != there:
+            kind, name, out_shapes = there
             return (f"at node {node.id}: here {node.kind} {node.name} {list(shapes)} "
-                    f"({node.source}), in the file {d.kind} {d.name} "
-                    f"{[list(s) for s in d.out_shapes]}")
+                    f"({node.source}), in the file {kind} {name} "
+                    f"{[list(s) for s in out_shapes]}")
     return None
 
 

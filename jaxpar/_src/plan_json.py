@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 from jaxpar._src.errors import PlanError
 from jaxpar._src.plan import OpDecision, PredictedCollective, Redistribution, ShardingPlan
@@ -109,7 +110,10 @@ def plan_to_dict(plan: ShardingPlan) -> dict:
     return out
 
 
-def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
+def plan_from_dict(data: dict, *, source: str = "jaxpar", lazy: bool = False) -> ShardingPlan:
+    """The plan of ``data`` (:func:`plan_to_dict`'s form).  With ``lazy``, its decisions are
+    a :class:`LoadedDecisions`, each converted when first read (the plan cache's loaded
+    plans: a call whose executable is loaded reads a few)."""
     if data.get("format") not in READS:
         raise PlanError(f"jaxpar: {source} is not a plan file of format {FORMAT!r} "
                         f"(found {data.get('format')!r}).")
@@ -126,14 +130,103 @@ def plan_from_dict(data: dict, *, source: str = "jaxpar") -> ShardingPlan:
         scatters = tuple((int(d["node"]), Scatter(**{k: _tuples(v) for k, v in d.items()
                                                       if k != "node"}))
                          for d in data["scatters"])
+    raw = data["decisions"]
+    if not isinstance(raw, list):
+        raise TypeError(f"its decisions are a {type(raw).__name__}, not a list")
+    decisions: Sequence[OpDecision] = LoadedDecisions(raw, seen, source) if lazy else \
+        tuple(_decision_from(d, seen) for d in raw)
     return ShardingPlan(mesh, tuple(data["device_ids"]), data["parallel_mode"],
-                        data["search_mode"],
-                        tuple(_decision_from(d, seen) for d in data["decisions"]),
+                        data["search_mode"], decisions,
                         tuple(data["inputs"]), tuple(data["outputs"]), tuple(data["notes"]),
                         **scalars,
                         collectives=tuple(_coll_from(c) for c in data.get("collectives", ())),
                         optimizer_level=int(data.get("optimizer_level", 0)),
                         scatters=scatters)
+
+
+class LoadedDecisions(Sequence[OpDecision]):
+    """A loaded plan's decisions, each converted from its JSON form (:func:`plan_to_dict`)
+    when first read, then kept: the same :class:`OpDecision` as :func:`plan_from_dict`
+    without ``lazy`` makes.
+
+    A plan cache hit whose executable is loaded too reads the decisions of the arguments and
+    results (their layouts; a tenth of the nodes of a GPT step) and, to check that the entry
+    fits the program, every node's kind, operator and result shapes (:meth:`header`, read
+    from the JSON form); the rest are converted when asked for (``plan.explain()``, the
+    lowering of a plan whose executable was not kept).  It compares, hashes and pickles as
+    the tuple of its decisions.  A decision that cannot be converted (an entry edited by
+    hand) raises a :class:`PlanError` naming the entry when it is read.
+
+    >>> from jaxpar._src.spec import Spec
+    >>> d = OpDecision(0, "input", "x", "", "x", (), ((8,),), (), (Spec((("dp",),)),),
+    ...                "pinned", 0.0, (), ())
+    >>> loaded = LoadedDecisions([_decision_to(d)], {}, "a test")
+    >>> loaded.header(0), loaded[0] == d, loaded == (d,), list(loaded) == [d]
+    (('input', 'x', ((8,),)), True, True, True)
+    """
+
+    __slots__ = ("_raw", "_made", "_seen", "_source")
+
+    def __init__(self, raw: list[dict], seen: dict, source: str) -> None:
+        self._raw, self._seen, self._source = raw, seen, source
+        self._made: list[OpDecision | None] = [None] * len(raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @overload
+    def __getitem__(self, i: int) -> OpDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[OpDecision, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> OpDecision | tuple[OpDecision, ...]:
+        if isinstance(i, slice):
+            return tuple(self._get(j) for j in range(*i.indices(len(self._raw))))
+        return self._get(i)
+
+    def _get(self, i: int) -> OpDecision:
+        made = self._made[i]
+        if made is None:
+            try:
+                made = _decision_from(self._raw[i], self._seen)
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+                raise PlanError(
+                    f"jaxpar: decision {i % len(self._raw)} of {self._source} is not "
+                    f"well-formed ({type(e).__name__}: {e}); delete the file (it is written "
+                    f"anew)") from None
+            self._made[i] = made
+        return made
+
+    def __iter__(self) -> Iterator[OpDecision]:
+        return (self._get(i) for i in range(len(self._raw)))
+
+    def header(self, i: int) -> tuple[str, str, tuple[tuple[int, ...], ...]]:
+        """Decision ``i``'s kind, operator and result shapes, read without converting it."""
+        d = self._raw[i]
+        return d["kind"], d["name"], tuple(map(tuple, d["out_shapes"]))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, (tuple, LoadedDecisions)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __add__(self, other: Sequence[OpDecision]) -> tuple[OpDecision, ...]:
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other: Sequence[OpDecision]) -> tuple[OpDecision, ...]:
+        return tuple(other) + tuple(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return tuple, (tuple(self),)  # unpickled as the tuple it stands for
 
 
 def _plain(x: Any) -> Any:

@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 
 from jaxpar._src.spec import MeshShape, Spec
@@ -194,17 +195,40 @@ def enumerate_strategies(rule: FactorRule, mesh: MeshShape) -> tuple[OpStrategy,
 
     Each mesh axis goes to at most one splittable factor; a factor's axes must multiply to a
     divisor of its size; a factor with several axes is offered in every axis order.
+
+    A strategy names mesh axes and layouts, not sizes: rules that differ only in their sizes
+    (and flops) but split alike (every splittable factor's size has the same greatest common
+    divisor with the device count, hence the same divisors among the products of mesh axes)
+    share one list (:func:`_strategies`): a program's operators repeat a few shapes of rule
+    (issue 14: 154 rules of the 6-layer GPT step, 87 lists).
     """
-    choices = rule.splittable()
+    splittable = rule.splittable()
+    devices = mesh.num_devices
+    return _strategies(len(rule.sizes), rule.operands, rule.results, rule.reductions,
+                       splittable,
+                       tuple(math.gcd(rule.sizes[f], devices) for f in splittable), mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strategies(factors: int, operands: tuple[tuple[Dim, ...], ...],
+                results: tuple[tuple[Dim, ...], ...], reductions: tuple[tuple[int, str], ...],
+                choices: tuple[int, ...], divisors: tuple[int, ...], mesh: MeshShape
+                ) -> tuple[OpStrategy, ...]:
+    """:func:`enumerate_strategies` of a rule of ``factors`` factors with these tensors and
+    reductions whose
+    splittable factors ``choices`` have ``divisors`` (their sizes' gcd with ``mesh.size``: a
+    product of mesh axes divides a size exactly when it divides that gcd)."""
+    divisor = dict(zip(choices, divisors, strict=True))
     per_axis = [(None,) + choices for _ in mesh.names]
     seen: set[tuple[tuple[str, ...], ...]] = set()
     out: list[OpStrategy] = []
+    make = _Maker(operands, results, dict(reductions))
     for pick in itertools.product(*per_axis):
         groups: dict[int, list[str]] = {}
         for axis, f in zip(mesh.names, pick, strict=True):
             if f is not None:
                 groups.setdefault(f, []).append(axis)
-        if any(rule.sizes[f] % mesh.product(axes) for f, axes in groups.items()):
+        if any(divisor[f] % mesh.product(axes) for f, axes in groups.items()):
             continue
         multi = [f for f, axes in groups.items() if len(axes) > 1]
         orders = [list(itertools.permutations(groups[f])) for f in multi]
@@ -212,13 +236,36 @@ def enumerate_strategies(rule: FactorRule, mesh: MeshShape) -> tuple[OpStrategy,
             assign = {f: tuple(axes) for f, axes in groups.items()}
             for f, order in zip(multi, combo, strict=True):
                 assign[f] = tuple(order)
-            key = tuple(assign.get(f, ()) for f in range(len(rule.sizes)))
+            key = tuple(assign.get(f, ()) for f in range(factors))
             if key in seen:
                 continue
             seen.add(key)
-            out.append(specs_for(rule, key))
+            out.append(make(key))
     out.sort(key=lambda s: s.axes_used)
     return tuple(out)
+
+
+class _Maker:
+    """:func:`specs_for` for many strategies of one rule: its reductions sorted once, and
+    each layout built once (a rule's strategies repeat a few layouts per tensor)."""
+
+    def __init__(self, operands: tuple[tuple[Dim, ...], ...],
+                 results: tuple[tuple[Dim, ...], ...], kinds: dict[int, str]) -> None:
+        self.operands, self.results = operands, results
+        self.kinds = sorted(kinds.items())
+        self.specs: dict[tuple[tuple[str, ...], ...], Spec] = {}
+
+    def spec(self, tensor: tuple[Dim, ...], factor_axes: Sequence[tuple[str, ...]]) -> Spec:
+        dims = tuple(tuple(a for f in d for a in factor_axes[f]) for d in tensor)
+        spec = self.specs.get(dims)
+        if spec is None:
+            spec = self.specs[dims] = Spec(dims)
+        return spec
+
+    def __call__(self, factor_axes: tuple[tuple[str, ...], ...]) -> OpStrategy:
+        partial = tuple((a, kind) for f, kind in self.kinds for a in factor_axes[f])
+        return OpStrategy(factor_axes, tuple(self.spec(t, factor_axes) for t in self.operands),
+                          tuple(self.spec(t, factor_axes) for t in self.results), partial)
 
 
 def strategy_for_specs(rule: FactorRule, specs: Mapping[tuple[str, int], Spec],
