@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jaxpar._src.arguments import parallelize_info
 from jaxpar._src.cache_key import call_key
 from jaxpar._src.cached_build import (
+    executable_kept,
     keep_compiled,
     start_prefetch,
     stored_choice,
@@ -347,6 +348,7 @@ class Parallelized:
                                  settings=settings, info=info)
             program, batch, plan, hit, text_sha = stored_plan(
                 cache_dir, key, program, batch, api=info.api,
+                kept=executable_kept(cache_dir, key, signature=signature, info=info, mesh=mesh),
                 retrace=(lambda level: self._trace(args, _at_level(settings, level), names,
                                                    None)[:2])
                 if _per_level(settings, program) else None)

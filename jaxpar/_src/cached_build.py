@@ -30,6 +30,7 @@ these functions, which ``api.py`` calls, they point into ``api.py``, as before t
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,13 +71,17 @@ def start_prefetch(cache_dir: str | None, settings: Any, signature: tuple, info:
 
 
 def stored_plan(cache_dir: str, key: CacheKey, program: TracedProgram, batch: Batch, *,
-                retrace: Callable[[Any], tuple[TracedProgram, Batch]] | None, api: str
+                retrace: Callable[[Any], tuple[TracedProgram, Batch]] | None, api: str,
+                kept: Callable[[str], bool] = lambda text_sha: False
                 ) -> tuple[TracedProgram, Batch, ShardingPlan | None, bool, str | None]:
     """The plan stored under ``key`` for ``program``: the program and batch arguments it plans,
     the plan (``None``: no usable entry, with a warning if there is one), whether it was read
     (a hit) and the SHA-256 of the entry's text (``None`` without an entry).  ``retrace``
     (where the program is traced per parallel optimizer level: its pipeline loop is built for
-    the level) traces it again at the stored plan's ``optimizer_level``."""
+    the level) traces it again at the stored plan's ``optimizer_level``.  ``kept(text_sha)``:
+    whether the executable of the entry whose text has that SHA-256 is in the directory
+    (:func:`executable_kept`); then the plan's decisions are converted when read (a call
+    that loads it reads the arguments' few)."""
     cached = read_entry(cache_dir, key, api=api)
     if cached is None:
         return program, batch, None, False, None
@@ -84,8 +89,21 @@ def stored_plan(cache_dir: str, key: CacheKey, program: TracedProgram, batch: Ba
         stored = cached.get("plan")
         program, batch = retrace(stored.get("optimizer_level") if isinstance(stored, dict)
                                  else None)
-    plan = entry_plan(cached, key.path(cache_dir), program.graph, api=api)
+    plan = entry_plan(cached, key.path(cache_dir), program.graph, api=api,
+                      lazy=kept(cached[TEXT_SHA]))
     return program, batch, plan, plan is not None, cached[TEXT_SHA]
+
+
+def executable_kept(cache_dir: str, key: CacheKey, *, signature: tuple, info: Any, mesh: Mesh
+                    ) -> Callable[[str], bool]:
+    """Whether the executable of a call of ``signature`` is kept beside the plan entry of
+    ``key`` whose text has the SHA-256 given (:func:`stored_plan`'s ``kept``)."""
+
+    def kept(text_sha: str) -> bool:
+        return storable() and os.path.exists(
+            _executable_key(key, text_sha, signature, info, mesh).path(cache_dir))
+
+    return kept
 
 
 def stored_choice(cache_dir: str, key: CacheKey, base: TracedProgram, base_batch: Batch,

@@ -183,12 +183,16 @@ def read_json(path: str) -> tuple[Any, str] | None:
         raise Unusable(f"it is not JSON ({e.msg} at line {e.lineno})") from None
 
 
-def entry_plan(entry: Mapping[str, Any], path: str, graph: OpGraph, *, api: str
-               ) -> ShardingPlan | None:
+def entry_plan(entry: Mapping[str, Any], path: str, graph: OpGraph, *, api: str,
+               lazy: bool = False) -> ShardingPlan | None:
     """The plan of an entry read from ``path`` if it fits ``graph``, with the note that it was
-    loaded; else ``None``, with a warning."""
-    try:  # the decisions converted when read (plan_json.LoadedDecisions)
-        plan = plan_from_dict(entry["plan"], source=f"plan cache entry {path!r}", lazy=True)
+    loaded; else ``None``, with a warning.  ``lazy``: its decisions converted when read
+    (``plan_json.LoadedDecisions``), for an entry whose executable is kept beside it (its key
+    holds the digest of the entry's text, which jaxpar wrote: a hand-edited entry has none,
+    and every decision of it is converted here, so one that cannot be is warned about and the
+    plan searched anew)."""
+    try:
+        plan = plan_from_dict(entry["plan"], source=f"plan cache entry {path!r}", lazy=lazy)
         differs = structure_mismatch(plan, graph)
     except (PlanError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         _ignored(api, path, f"its plan is not well-formed ({type(e).__name__}: {e})")

@@ -153,9 +153,11 @@ class LoadedDecisions(Sequence[OpDecision]):
     results (their layouts; a tenth of the nodes of a GPT step) and, to check that the entry
     fits the program, every node's kind, operator and result shapes (:meth:`header`, read
     from the JSON form); the rest are converted when asked for (``plan.explain()``, the
-    lowering of a plan whose executable was not kept).  It compares, hashes and pickles as
-    the tuple of its decisions.  A decision that cannot be converted (an entry edited by
-    hand) raises a :class:`PlanError` naming the entry when it is read.
+    lowering where the executable fails to load).  It compares, hashes and pickles as the
+    tuple of its decisions.  The plan cache makes one only for an entry whose executable is
+    kept beside it (whose key holds the digest of the entry's text: jaxpar wrote it); should
+    a decision still fail to convert, it raises a :class:`PlanError` naming the entry when
+    it is read.
 
     >>> from jaxpar._src.spec import Spec
     >>> d = OpDecision(0, "input", "x", "", "x", (), ((8,),), (), (Spec((("dp",),)),),
