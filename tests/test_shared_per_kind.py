@@ -21,23 +21,14 @@ from jaxpar._src.search.problem import _refine, _row_classes, build_problem
 from jaxpar._src.search.propagation import propagate
 from jaxpar._src.spec import MeshShape
 from jaxpar._src.trace import trace
+from tests.auto_models import residual_gelu_step
 
 MESH = MeshShape.of(jaxpar.make_mesh((2, 4), ("dp", "mp")))
 
 
 def _step(widths):
     """An SGD step of residual GELU layers of the given widths (then back to the first)."""
-    def loss(ps, x):
-        for p in ps:
-            x = jax.nn.gelu(x @ p["w"] + p["b"])
-        return jnp.mean(x ** 2)
-
-    def step(ps, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
-
-    ps = [{"w": jnp.ones((a, b)), "b": jnp.zeros((b,))}
-          for a, b in zip(widths, widths[1:] + [widths[0]], strict=True)]
-    return trace(step, (ps, jnp.ones((16, widths[0]))))
+    return trace(*residual_gelu_step(widths))
 
 
 def test_coarse_nodes_alike_share_their_sums_but_not_their_arrays_nor_another_buckets():
