@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import weakref
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -356,16 +356,37 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
     raw = [raw[k] for k in order]
     deps = _dependencies(graph, raw)
     hw = model.hw
-    keys = []
+    keys, sizes, limits = [], [], []
     for r in raw:
         c = r.collective
         limit = hw.combine_threshold(c.kind)
         keys.append(None if limit <= 0 else
                     (c.kind, c.reduction, c.dtype, c.axes, r.region, r.weight))
+        sizes.append(c.nbytes)
+        limits.append(limit)
+    groups = issued_groups(keys, sizes, limits, deps, hw.combine_threshold_count)
+    return raw, groups
+
+
+def issued_groups(keys: Sequence[Hashable | None], sizes: Sequence[float],
+                  limits: Sequence[float], deps: list[int], count_limit: int
+                  ) -> list[tuple[int, ...]]:
+    """XLA's combiners' walk over collectives in the order they are met: per collective its
+    combining key (``None``: never combined), bytes and threshold (bytes), and ``deps``,
+    the bitsets of those it depends on (updated: what depended on a member of a group ends
+    depending on the whole group); the groups (indices) that become one collective each.
+    The first left opens a group; later ones of its key join until one depends on a member,
+    or a member on it, or the group would pass its threshold or ``count_limit`` members.
+
+    >>> issued_groups(["k", "k", "k"], [1.0] * 3, [8.0] * 3, [0, 0, 0], 10)  # independent
+    [(0, 1, 2)]
+    >>> issued_groups(["k", "k", None], [1.0] * 3, [8.0] * 3, [0, 1, 0], 10)  # 1 reads 0
+    [(0,), (1,), (2,)]
+    """
+    n = len(keys)
     # The collectives not yet grouped, in post order, as a doubly linked list (``end`` ends
     # it): a group unlinks its members at once, where rebuilding a list after every group
     # made pricing a plan quadratic in its collectives (issue 14: 96 layers, two seconds).
-    n = len(raw)
     end = n
     after_k = list(range(1, n + 1)) + [0]  # after_k[end]: the first
     before_k = [end] + list(range(n))  # before_k[0] = end; before_k[end] unused
@@ -377,7 +398,6 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
             k = after_k[k]
 
     groups: list[tuple[int, ...]] = []
-    count_limit = hw.combine_threshold_count
     while after_k[end] != end:
         members: list[int] = []
         mask = 0
@@ -396,8 +416,8 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
                 key = keys[k]
             elif keys[k] != key:
                 continue
-            nbytes = raw[k].collective.nbytes
-            limit = hw.combine_threshold(raw[k].collective.kind)
+            nbytes = sizes[k]
+            limit = limits[k]
             if nbytes > limit:
                 groups.append((k,))
                 taken.append(k)
@@ -428,7 +448,7 @@ def combine(graph: OpGraph, raw: list[RawCollective], model: CostModel
                 for k in remaining():
                     if deps[k] & mask:
                         deps[k] |= closure
-    return raw, groups
+    return groups
 
 
 def _dependencies(graph: OpGraph, raw: list[RawCollective]) -> list[int]:

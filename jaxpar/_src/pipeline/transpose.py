@@ -53,6 +53,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxpar._src.combine import issued_groups
 from jaxpar._src.cost import CostModel
 from jaxpar._src.graph import Const, NodeKind, OpGraph, itemsize
 from jaxpar._src.hardware import HardwareProfile
@@ -174,11 +175,10 @@ class _Raw:
 
 def combined(raw: Sequence[_Raw], deps: Sequence[int], model: CostModel
              ) -> list[PredictedCollective]:
-    """``raw`` (in the order XLA meets them) as XLA's combiner issues them (``combine.py``'s
-    walk): the first left opens a group, later ones of its key join until one depends on a
-    member (``deps``: bitsets over ``raw``) or the group would pass the threshold
-    (``HardwareProfile.combine_threshold``; 0: never combined); each group one collective,
-    one latency for the members' bytes.
+    """``raw`` (in the order XLA meets them) as XLA's combiner issues them
+    (:func:`jaxpar._src.combine.issued_groups`, the walk the whole plan's price uses; ``deps``:
+    bitsets over ``raw``; ``HardwareProfile.combine_threshold`` 0: never combined); each group
+    one collective, one latency for the members' bytes.
 
     >>> from jaxpar._src.spec import MeshShape
     >>> model = CostModel(MeshShape(("tp",), (2,)), HardwareProfile())
@@ -189,34 +189,18 @@ def combined(raw: Sequence[_Raw], deps: Sequence[int], model: CostModel
     >>> [x.members for x in combined([_Raw(c, 0, key)] * 2, [0, 1], model)]  # the 2nd reads the 1st
     [1, 1]
     """
-    deps = list(deps)
-    left = list(range(len(raw)))
+    hw = model.hw
+    limits = [hw.combine_threshold(r.collective.kind) for r in raw]
+    keys = [r.key if limit > 0 else None for r, limit in zip(raw, limits, strict=True)]
     out: list[PredictedCollective] = []
-    while left:
-        first = raw[left[0]]
-        limit = model.hw.combine_threshold(first.collective.kind)
-        group, mask, size = [left[0]], 1 << left[0], first.collective.nbytes
-        for k in left[1:] if limit > 0 else ():
-            c = raw[k].collective
-            if raw[k].key != first.key:
-                continue
-            if deps[k] & mask or size + c.nbytes > limit:
-                break
-            group.append(k)
-            mask |= 1 << k
-            size += c.nbytes
-        left = [k for k in left if not mask >> k & 1]
-        closure = mask
-        for k in group:
-            closure |= deps[k]
-        for k in left:  # what waited for a member now waits for the group
-            if deps[k] & mask:
-                deps[k] |= closure
+    for group in issued_groups(keys, [r.collective.nbytes for r in raw], limits, list(deps),
+                               hw.combine_threshold_count):
         cs = [raw[k].collective for k in group]
         if len(cs) == 1:
             out.append(cs[0])
             continue
         c0 = cs[0]
+        size = sum(c.nbytes for c in cs)
         time = model.collective_time(c0.kind, size, c0.axes)
         out.append(PredictedCollective(c0.kind, c0.axes, size, sum(c.wire_bytes for c in cs),
                                        time * c0.count, c0.count, len(cs)))
