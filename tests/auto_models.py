@@ -48,22 +48,6 @@ def sgd_step(loss):
     return step
 
 
-def residual_gelu_step(widths):
-    """An SGD step (rate 0.1) of GELU layers of the given widths, the last back to the first:
-    ``(step, (params, x))``, all weights ones, the batch 16 rows of ones."""
-    def loss(ps, x):
-        for p in ps:
-            x = jax.nn.gelu(x @ p["w"] + p["b"])
-        return jnp.mean(x ** 2)
-
-    def step(ps, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
-
-    ps = [{"w": jnp.ones((a, b)), "b": jnp.zeros((b,))}
-          for a, b in zip(widths, widths[1:] + [widths[0]], strict=True)]
-    return step, (ps, jnp.ones((16, widths[0])))
-
-
 def embedding_head_loss(params, ids, labels):
     h = jnp.tanh(params["table"][ids])
     logits = h @ params["head"]
@@ -183,3 +167,19 @@ def bert_stack(layers: int = 2, batch: int = 8, seq: int = 8, hidden: int = 128,
     x = jax.random.normal(next(keys), (batch, seq, hidden))
     label = jax.random.normal(next(keys), (batch, seq, hidden))
     return train_step, (params, tx.init(params), x, label)
+
+
+def residual_gelu_step(widths):
+    """An SGD step (rate 0.1) of GELU layers of the given widths, the last back to the first:
+    ``(step, (params, x))``, all weights ones, the batch 16 rows of ones."""
+    def loss(ps, x):
+        for p in ps:
+            x = jax.nn.gelu(x @ p["w"] + p["b"])
+        return jnp.mean(x ** 2)
+
+    def step(ps, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ps, jax.grad(loss)(ps, x))
+
+    ps = [{"w": jnp.ones((a, b)), "b": jnp.zeros((b,))}
+          for a, b in zip(widths, widths[1:] + [widths[0]], strict=True)]
+    return step, (ps, jnp.ones((16, widths[0])))
