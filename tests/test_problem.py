@@ -389,16 +389,20 @@ def test_propagation_answers_remembered_are_the_fresh_ones_in_loops_and_stacks(m
     assert once < asked, (once, asked)
     weights = {program.graph.nodes[n].weight for n in fresh}
     assert model != "scan_cumprod" or len(weights) > 1  # the loop's body was propagated into
-    # nodes asking one question read the same weights and element types of their edges
+    # nodes asking one question read the same rule, weights, shapes and element types (the
+    # question names the node's kind, not its shapes and dtypes: issue 14)
     graph, read = program.graph, {}
     for n in fresh:
         edges = [(e, fresh[o]) for e in graph.neighbours(n)
                  for o in [e.consumer if e.producer == n else e.producer]
                  if o != n and o in fresh]
-        reads = (graph.nodes[n].weight, [space.edge_weight(e.producer, e.consumer)
-                                         for e, _ in edges],
-                 [graph.values[graph.nodes[e.producer].outputs[e.out_index]].dtype
-                  for e, _ in edges])
+        node = graph.nodes[n]
+        reads = (node.weight, [space.edge_weight(e.producer, e.consumer) for e, _ in edges],
+                 [(v.shape, v.dtype) for e, _ in edges
+                  for v in [graph.values[graph.nodes[e.producer].outputs[e.out_index]]]],
+                 space.rule(n), space.bucket_of(n),
+                 [(graph.operand_shape(o), graph.operand_dtype(o)) for o in node.inputs],
+                 [(graph.values[o].shape, graph.values[o].dtype) for o in node.outputs])
         assert read.setdefault(propagation._question(space, n, edges), reads) == reads, n
 
 
@@ -415,6 +419,14 @@ def test_equal_rules_are_one_object_and_layouts_compare_as_dataclasses():
     rules = [space.rule(n.id) for n in program.graph.searchable()]
     assert len({id(r) for r in rules}) == len(set(rules)) < len(rules)
     assert [space.rule(n.id) for n in program.graph.searchable()] == rules
+    # a node's kind names its rule, and its operands' and results' shapes and dtypes
+    graph, seen = program.graph, {}
+    for n in graph.searchable():
+        what = (space.rule(n.id), n.kind, n.name,
+                [(graph.operand_shape(o), graph.operand_dtype(o)) for o in n.inputs],
+                [(graph.values[o].shape, graph.values[o].dtype) for o in n.outputs])
+        assert seen.setdefault(space.kind(n.id), what) == what, n
+    assert len(set(rules)) <= len(seen) < len(rules)
 
     a, b, c = Spec((("dp",), ())), Spec((("dp",), ())), Spec(((), ("dp",)))
     assert a == b and a is not b and not a != b and a != c and a != (("dp",), ())

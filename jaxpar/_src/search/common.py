@@ -14,7 +14,7 @@ from jaxpar._src.combine import (
     sibling_buckets,
 )
 from jaxpar._src.cost import Cost, CostModel
-from jaxpar._src.graph import Node, NodeKind, OpGraph
+from jaxpar._src.graph import Const, Edge, Node, NodeKind, OpGraph
 from jaxpar._src.regather import Regather
 from jaxpar._src.rules import (
     FactorRule,
@@ -66,10 +66,15 @@ class SearchSpace:
         # the search's caches are keyed by them; a look-up with the same object is an
         # identity hit, with an equal other one a field-by-field comparison (issue 14).
         self._canonical: dict[FactorRule, FactorRule] = {}
+        self._kinds: dict[int, int] = {}  # each node's kind (:meth:`kind`)
+        self._signatures: dict[tuple, tuple[FactorRule, int]] = {}  # rule and kind, by signature
+        self._type_ids: dict[tuple, int] = {}  # (shape, dtype) numbered
+        self._types: list[int] | None = None  # each value's numbered (shape, dtype), by id
         self._op_costs: dict[tuple[int, OpStrategy], Cost] = {}
         self._signature_costs: dict[tuple, Cost] = {}  # repeated layers share their prices
         self._views: dict[int, tuple] = {}  # each operator's shapes and dtypes, looked up once
         self._weights: list[float] | None = None  # each node's loop weight, by id
+        self._neighbours: tuple[tuple[tuple[int, Edge], ...], ...] | None = None
         self._op_views: dict[int, OpView] = {}
         self._deferred: frozenset[int] | None = None
         self._bucket: float | None = None
@@ -83,10 +88,74 @@ class SearchSpace:
     def rule(self, nid: int) -> FactorRule:
         rule = self._rules.get(nid)
         if rule is None:
-            node = self.graph.nodes[nid]
-            rule = rule_for(self.graph, node, self._op_view(node))
-            rule = self._rules[nid] = self._canonical.setdefault(rule, rule)
+            rule = self._derive(nid)[0]
         return rule
+
+    def kind(self, nid: int) -> int:
+        """A number naming what the node's rule is derived from: nodes of one kind have equal
+        rules and equal shapes and dtypes on every operand and result (the nodes of repeated
+        layers are of one kind; a node whose parameters cannot be hashed is a kind alone).
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxpar._src.cost import CostModel
+        >>> from jaxpar._src.hardware import HardwareProfile
+        >>> from jaxpar._src.spec import MeshShape
+        >>> from jaxpar._src.trace import trace
+        >>> x = jnp.ones((4, 8))
+        >>> graph = trace(lambda x: jnp.tanh(jnp.tanh(x)) @ jnp.ones((8, 2)), (x,)).graph
+        >>> space = SearchSpace(graph, CostModel(MeshShape(("x",), (2,)),
+        ...                                      HardwareProfile()))
+        >>> a, b = [n.id for n in graph.nodes if n.name == "tanh"]
+        >>> space.kind(a) == space.kind(b), space.rule(a) is space.rule(b)
+        (True, True)
+        >>> dot = next(n.id for n in graph.nodes if n.name == "dot_general")
+        >>> space.kind(dot) == space.kind(a)
+        False
+        """
+        kind = self._kinds.get(nid)
+        if kind is None:
+            kind = self._derive(nid)[1]
+        return kind
+
+    def _derive(self, nid: int) -> tuple[FactorRule, int]:
+        """The node's rule and kind, found by its signature (what :func:`rule_for` reads: the
+        node's kind, role and name, its operands' and results' shapes and dtypes, an
+        operator's parameters) before any rule is built: the nodes of repeated layers share
+        one signature, and build no view (issue 14: the baseline propagation derived the rule
+        of every operator of a deep model afresh)."""
+        node = self.graph.nodes[nid]
+        signature = self._signature(node)
+        try:
+            found = self._signatures.get(signature)
+        except TypeError:  # parameters that cannot be hashed (arrays): a kind of its own
+            found = (self._built(node), -1 - nid)
+        if found is None:
+            found = self._signatures[signature] = (self._built(node), len(self._signatures))
+        self._rules[nid], self._kinds[nid] = found
+        return found
+
+    def _built(self, node: Node) -> FactorRule:
+        rule = rule_for(self.graph, node, self._op_view(node))
+        return self._canonical.setdefault(rule, rule)
+
+    def _signature(self, node: Node) -> tuple:
+        types = self._types
+        if types is None:  # each value's shape and dtype as one number, numbered once
+            types = self._types = [self._type(v.shape, v.dtype) for v in self.graph.values]
+        ins = tuple([types[o] if o.__class__ is int else self._operand_type(o)
+                     for o in node.inputs])
+        outs = tuple([types[o] for o in node.outputs])
+        params = node.eqn.params.items() \
+            if node.kind is NodeKind.OP and node.eqn is not None else ()
+        return node.kind, node.role, node.name, ins, outs, tuple(params)
+
+    def _type(self, shape: tuple[int, ...], dtype: Any) -> int:
+        return self._type_ids.setdefault((shape, dtype), len(self._type_ids))
+
+    def _operand_type(self, operand: Any) -> int:
+        if isinstance(operand, Const):
+            return self._type(operand.shape, operand.dtype)
+        return self._type(self.graph.operand_shape(operand), self.graph.operand_dtype(operand))
 
     def _op_view(self, node: Node) -> OpView | None:
         """An operator's shapes, dtypes and parameters, worked out once for its rule and its
@@ -190,12 +259,17 @@ class SearchSpace:
         """Bytes of the combined all-reduce the operator's all-reduces travel in (0: alone):
         deferred operators' all-reduces travel with the gradients; contractions whose results
         are summed with their siblings' travel with those (``combine.py``)."""
-        if nid in self.deferred:
-            return self.bucket_bytes
-        if self._siblings is None:
-            self._siblings = sibling_buckets(self.graph, self.contractions) \
+        deferred = self._deferred  # (asked of every node by every pass: no property)
+        if deferred is None:
+            deferred = self.deferred
+        if nid in deferred:
+            bucket = self._bucket
+            return self.bucket_bytes if bucket is None else bucket
+        siblings = self._siblings
+        if siblings is None:
+            siblings = self._siblings = sibling_buckets(self.graph, self.contractions) \
                 if self.model.hw.combine_threshold("all-reduce") > 0 else {}
-        return self._siblings.get(nid, 0.0)
+        return siblings.get(nid, 0.0)
 
     def alone(self) -> SearchSpace:
         """This space with every gradient all-reduce priced on its own (no combining)."""
@@ -203,7 +277,12 @@ class SearchSpace:
         other.regathered = self.regathered
         other._rules = self._rules
         other._canonical = self._canonical
+        other._kinds = self._kinds
+        other._signatures = self._signatures
+        other._type_ids = self._type_ids
+        other._types = self._types
         other._views = self._views
+        other._neighbours = self._neighbours
         other._op_views = self._op_views
         other._signature_costs = self._signature_costs  # keyed on the bucket: still right
         other._deferred = self.deferred
@@ -226,6 +305,22 @@ class SearchSpace:
             # are keyed on it, so they stay right (and the baseline's are reused).
             deferred = self.deferred
             self._op_costs = {k: c for k, c in self._op_costs.items() if k[0] not in deferred}
+
+    def neighbours(self, nid: int) -> tuple[tuple[int, Edge], ...]:
+        """The node's edges to other searchable nodes (not to itself, nor to a control node),
+        each with the node at its other end, in :meth:`OpGraph.neighbours` order: what a
+        propagation reads of a node's surroundings, worked out once for every node (issue 14:
+        the baseline propagation walked each node's edges twice, sorting them out each time).
+        """
+        around = self._neighbours
+        if around is None:
+            nodes, control = self.graph.nodes, NodeKind.CONTROL
+            around = self._neighbours = tuple(
+                tuple([(o, e) for e in edges
+                       for o in (e.consumer if e.producer == n else e.producer,)
+                       if o != n and nodes[o].kind is not control])
+                for n, edges in enumerate(self.graph._around))
+        return around[nid]
 
     def edge_weight(self, producer: int, consumer: int) -> float:
         """How often a layout change on this edge runs: once per run of the rarer end."""

@@ -72,7 +72,7 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
     heap: list[tuple[int, int, int]] = []
 
     decided = strategies.keys()  # (a set view: a subset test runs in C)
-    control = {n.id for n in graph.nodes if n.kind is NodeKind.CONTROL}
+    around = space.neighbours
 
     def readiness(v: int) -> int:
         if producers[v] <= decided:
@@ -81,14 +81,20 @@ def propagate(space: SearchSpace, pins: Sequence[Pin], *,
             return 1
         return 2
 
+    push = heapq.heappush
+
     def discover(u: int) -> None:
-        for e in graph.neighbours(u):
-            v = e.consumer if e.producer == u else e.producer
-            if v in strategies or v in control:
+        for v, _ in around(u):
+            if v in strategies:
                 continue
-            if v not in discovered:
-                discovered[v] = next(counter)
-            heapq.heappush(heap, (readiness(v), discovered[v], v))
+            order = discovered.get(v)
+            if order is None:
+                order = discovered[v] = next(counter)
+            # (readiness, inline: once per edge of every node decided)
+            if producers[v] <= decided:
+                push(heap, (0, order, v))
+            else:
+                push(heap, (1 if consumers[v] <= decided else 2, order, v))
 
     partner: dict[int, int] = {}
     for a, b in ties:
@@ -164,16 +170,12 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
     ``answers`` remembers the answers by what they depend on (:func:`_question`): the nodes of
     repeated layers ask the same question of alike neighbours (issue 14: the baseline
     propagation of a deep model answered it once per operator)."""
-    graph = space.graph
     edges: list[tuple[Edge, OpStrategy]] = []  # to decided neighbours, with their strategy
-    nodes, control = graph.nodes, NodeKind.CONTROL
     get = decided.get
-    for e in graph.neighbours(v):
-        other = e.consumer if e.producer == v else e.producer
+    for other, e in space.neighbours(v):
         strategy = get(other)
-        if strategy is None or other == v or nodes[other].kind is control:
-            continue
-        edges.append((e, strategy))
+        if strategy is not None:
+            edges.append((e, strategy))
     if answers is None:
         return _best_response(space, v, edges)
     question = _question(space, v, edges)
@@ -184,23 +186,18 @@ def best_response(space: SearchSpace, v: int, decided: dict[int, OpStrategy],
 
 
 def _question(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]) -> tuple:
-    """All that :func:`_best_response` reads of ``v`` and its decided neighbours: the rule
-    (its candidates, and with the dtypes, loop weight and gradient bucket its own price, as
-    ``SearchSpace.op_cost`` keys it), and per edge, in order, its ports, the neighbour's
-    strategy and what a layout change on it costs (the value's shape and dtype, the edge's
-    weight)."""
-    graph = space.graph
-    nodes, values, weight = graph.nodes, graph.values, space.edge_weight
-    node = nodes[v]
-    ports = []
-    for e, other in edges:
-        producer, out_index, consumer, in_index = e
-        value = values[nodes[producer].outputs[out_index]]
-        ports.append((producer == v, out_index, in_index, other, value.shape, value.dtype,
-                      weight(producer, consumer)))
-    return (space.rule(v), node.weight, space.bucket_of(v),
-            tuple([graph.operand_dtype(o) for o in node.inputs]),
-            tuple([values[o].dtype for o in node.outputs]), tuple(ports))
+    """All that :func:`_best_response` reads of ``v`` and its decided neighbours: the node's
+    kind (``SearchSpace.kind``: its rule, so its candidates, and the shapes and dtypes of its
+    operands and results, so with its loop weight and gradient bucket its own price, as
+    ``SearchSpace.op_cost`` keys it, and what a layout change on each of its edges moves),
+    and per edge, in order, its ports, the neighbour's strategy and the edge's weight.
+
+    (The kind stands for the shapes and dtypes, which the question once spelled out per node
+    and per edge: issue 14.)"""
+    weight = space.edge_weight
+    ports = tuple([(producer == v, out_index, in_index, other, weight(producer, consumer))
+                   for (producer, out_index, consumer, in_index), other in edges])
+    return space.kind(v), space.graph.nodes[v].weight, space.bucket_of(v), ports
 
 
 def _best_response(space: SearchSpace, v: int, edges: list[tuple[Edge, OpStrategy]]
