@@ -60,25 +60,28 @@ def useless_factors(space: SearchSpace, pins: Iterable[Pin]) -> dict[int, frozen
     # Per node, each factor with dimensions and one of them: a factor's dimensions are joined
     # into one class here, so one of them stands for all (issue 14: asking the class of every
     # dimension again was most of this pass).
+    # (A dimension no other joined yet is its own root: found without a call, as most are.)
     factors_of: dict[int, list[tuple[int, int]]] = {}
+    rule = space.rule
     for node in graph.searchable():
         inputs, outputs = node.inputs, node.outputs
         per_factor: list[tuple[int, int]] = []
-        for f, dims in _factor_dims(space.rule(node.id)):
-            members = []
+        for f, dims in _factor_dims(rule(node.id)):
+            root = head = -1
             for side, index, d in dims:
                 vid = inputs[index] if side == 0 else outputs[index]
-                if isinstance(vid, int):  # (a constant operand has no value)
-                    k = first[vid] + d
-                    members.append(k if k < first[vid + 1] else numbered(vid, d))
-            if members:
-                per_factor.append((f, members[0]))
-                root = find(members[0])
-                for m in members[1:]:
-                    other = find(m)
-                    if other != root:
-                        parent[root] = other
-                        root = other
+                if vid.__class__ is not int and not isinstance(vid, int):
+                    continue  # (a constant operand has no value)
+                m = first[vid] + d
+                if m >= first[vid + 1]:
+                    m = numbered(vid, d)
+                other = m if parent[m] == m else find(m)
+                if head < 0:
+                    head = root = other
+                    per_factor.append((f, m))
+                elif other != root:
+                    parent[root] = other
+                    root = other
         factors_of[node.id] = per_factor
     useful: set[int] = set()
     pinned = {p.node: p for p in pins}
