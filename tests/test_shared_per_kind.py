@@ -166,3 +166,61 @@ def test_alike_contractions_in_another_gradient_bucket_are_not_shared():
     assert not np.array_equal(alone.cost[first], alone.cost[deferred])
     for r in shared.reps:
         np.testing.assert_array_equal(shared.cost[r], alone.cost[r])
+
+
+def _layer_step():
+    """Residual GELU layers of two widths, then the same layer's product inside a scan (its
+    edges priced at the scan's trips: alike in all but the weight) and outside it."""
+    def loss(ps, ws, x):
+        for p in ps:
+            x = jax.nn.gelu(x @ p["w"] + p["b"])
+        x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(jnp.tanh(x @ ws[0]) ** 2)
+
+    def step(ps, ws, x):
+        gp, gw = jax.grad(loss, argnums=(0, 1))(ps, ws, x)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, ps, gp), ws - 0.1 * gw)
+
+    widths = [32, 48, 32, 32, 32]
+    ps = [{"w": jnp.ones((a, b)), "b": jnp.zeros((b,))}
+          for a, b in zip(widths, widths[1:] + [widths[0]], strict=True)]
+    return step, (ps, jnp.ones((3, 32, 32)), jnp.ones((16, 32)))
+
+
+def test_layout_shared_per_kind_is_the_per_node_one():
+    """The build's candidates, followers, coarse nodes, their prices (with any layout changes
+    inside them) and edge matrices (in their order), shared per kind of node and edge, are
+    the ones found node by node and edge by edge (``share=False``): with layers of two
+    widths, a pinned weight, tied state and edges alike but for their loop weight (a scan's
+    body)."""
+    from jaxpar._src.state import state_ties
+
+    step, args = _layer_step()
+    program = trace(step, args)
+    graph = program.graph
+    ties = state_ties(program, args, ())
+    assert ties
+    model = CostModel(MESH, HardwareProfile())
+    weight = next(n.id for n in graph.nodes
+                  if n.kind == "input" and graph.values[n.outputs[0]].shape == (32, 48))
+    space = SearchSpace(graph, model)
+    split = next(c for c in space.candidates(weight) if any(c.factor_axes))
+    pins = [Pin(weight, split, "test")]
+    shared = build_problem(space, pins, ties=ties)
+    alone = build_problem(SearchSpace(graph, model), pins, ties=ties, share=False)
+    assert shared.reps == alone.reps and shared.cands == alone.cands
+    assert shared.forced == alone.forced
+    assert list(shared.follow) == list(alone.follow)
+    for f, (rep, index) in shared.follow.items():
+        assert rep == alone.follow[f][0]
+        np.testing.assert_array_equal(index, alone.follow[f][1])
+    for r in shared.reps:  # (the layout changes inside a coarse node are in its cost)
+        np.testing.assert_array_equal(shared.cost[r], alone.cost[r])
+    assert list(shared.edges) == list(alone.edges)
+    for key, m in shared.edges.items():
+        np.testing.assert_array_equal(m, alone.edges[key])
+    # sharing happened: fewer matrices priced than edges; followers exist
+    assert shared.priced["edges"] < alone.priced["edges"] == alone.priced["of_edges"]
+    assert len(shared.follow) > 10 and len(shared.edges) > 10
+    weights = {graph.nodes[r].weight for r in shared.reps}
+    assert len(weights) > 1  # the scan's body weighs its trips

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jaxpar._src.compat import call_sites
-from jaxpar._src.graph import Const, NodeKind, Role
-from jaxpar._src.rules import OpCategory, OpStrategy
+from jaxpar._src.graph import Const, Node, NodeKind, OpGraph, Role
+from jaxpar._src.rules import FactorRule, OpCategory, OpStrategy
 from jaxpar._src.search.common import Pin, SearchSpace
 from jaxpar._src.search.useful import prune, useless_factors
 from jaxpar._src.spec import Spec
@@ -225,45 +225,50 @@ class _Layout:
 def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, int]],
             fully_use_devices: bool, share: bool, unpriced_key: tuple) -> _Layout:
     graph = space.graph
+    nodes = graph.nodes
     mesh = space.model.mesh
     pinned = {p.node: p for p in pins}
     searchable = [n.id for n in graph.searchable()]
+    # Each node's rule, looked up once for the passes below (issue 14: four look-ups a node).
+    rules = {nid: space.rule(nid) for nid in searchable}
     cands: dict[int, tuple[OpStrategy, ...]] = {}
     # What a node's candidate list depends on (its rule and how it is filtered, or its pin):
     # nodes with one key share one list, and the caches below are keyed by it, numbered
     # (a number hashes at once; the key's tuple hashed anew on every look-up: issue 14).
     kinds: dict[int, int] = {}
     kind_ids: dict[tuple, int] = {}
-    filtered: dict[tuple, tuple[OpStrategy, ...]] = {}
+    lists: list[tuple[OpStrategy, ...]] = []  # by kind
     # Splits no contraction can use (search/useful.py); the same for every bucket size.
     dead = space.unpriced.get(("useless", unpriced_key))
     if dead is None:
         dead = space.unpriced[("useless", unpriced_key)] = useless_factors(space, pins)
+    op = NodeKind.OP
     for nid in searchable:
-        if nid in pinned:
-            pin = ("pin", pinned[nid].strategy)
-            kinds[nid] = kind_ids.setdefault(pin, len(kind_ids))
-            cands[nid] = filtered.setdefault(pin, (pinned[nid].strategy,))
-            continue
-        node = graph.nodes[nid]
-        rule = space.rule(nid)
-        key = ("rule", rule, fully_use_devices and node.kind is NodeKind.OP,
-               rule.category is OpCategory.CONTRACTION, dead.get(nid))
-        kinds[nid] = kind_ids.setdefault(key, len(kind_ids))
-        options = filtered.get(key)
-        if options is None:
-            # A dimension split over several axes takes them in mesh order (the other orders
-            # only permute which device holds which block; pins may still use them).  An axis
-            # of size 1 splits nothing: candidates using it only duplicate others.
-            options = tuple(c for c in space.candidates(nid) if all(
-                list(axes) == sorted(axes, key=mesh.names.index)
-                and all(mesh.size(a) > 1 for a in axes) for axes in c.factor_axes))
-            if key[2]:
-                options = _use_all_devices(options, mesh, key[3])
-            if key[4]:
-                options = prune(options, key[4])
-            filtered[key] = options
-        cands[nid] = options
+        pin = pinned.get(nid)
+        rule = rules[nid]
+        key: tuple = ("pin", pin.strategy) if pin is not None else \
+            ("rule", rule, fully_use_devices and nodes[nid].kind is op, dead.get(nid))
+        kind = kind_ids.get(key)
+        if kind is None:
+            kind = kind_ids[key] = len(lists)
+            if pin is not None:
+                options: tuple[OpStrategy, ...] = (pin.strategy,)
+            else:
+                # A dimension split over several axes takes them in mesh order (the other
+                # orders only permute which device holds which block; pins may still use
+                # them).  An axis of size 1 splits nothing: candidates using it only
+                # duplicate others.
+                options = tuple(c for c in space.candidates(nid) if all(
+                    list(axes) == sorted(axes, key=mesh.names.index)
+                    and all(mesh.size(a) > 1 for a in axes) for axes in c.factor_axes))
+                if key[2]:
+                    options = _use_all_devices(options, mesh,
+                                               rule.category is OpCategory.CONTRACTION)
+                if key[3]:
+                    options = prune(options, key[3])
+            lists.append(options)
+        kinds[nid] = kind
+        cands[nid] = lists[kind]
 
     # -- followers ----------------------------------------------------------------------------
     tied_to_input = {out: inp for inp, out in ties}
@@ -275,30 +280,27 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     for nid in searchable:
         if nid in pinned:
             continue
-        node = graph.nodes[nid]
-        if nid in tied_to_input and tied_to_input[nid] in cands:
-            leader, j, i = tied_to_input[nid], 0, 0
+        tied = tied_to_input.get(nid)
+        if tied is not None and tied in cands:
+            leader, j, i = tied, 0, 0
         else:
-            leader_port = _pass_through(space, nid, through)
+            leader_port = _pass_through(graph, nodes[nid], rules[nid], through)
             if leader_port is None:
                 continue
             leader, j, i = leader_port
         rep, base = leader, None
-        if leader in follow:
-            rep, base = follow[leader]
+        followed = follow.get(leader)
+        if followed is not None:
+            rep, base = followed
         key = (kinds[nid], i, kinds[leader], j, None if base is None else id(base))
-        if key in indices:
-            index = indices[key]
-        else:
+        index = indices.get(key, False)
+        if index is False:
             index = indices[key] = _follower_index(cands[nid], i, cands[leader], j,
                                                    len(cands[rep]), base)
-        if index is not None and node.kind is not NodeKind.CONTROL:
+        if index is not None:
             follow[nid] = (rep, index)
 
     reps = [n for n in searchable if n not in follow]
-
-    def rep_of(nid: int) -> int:
-        return follow[nid][0] if nid in follow else nid
 
     # Layouts are compared by number: every distinct port layout gets an id, and each node's
     # port is an array of ids over its rep's candidates (repeated layers share the arrays).
@@ -335,13 +337,27 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     # (numbered: equal tuples one number, which the build's look-ups hash at once)
     members: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
     alike_ids: dict[tuple, int] = {}
+    alike_of: dict[int, int] = {}  # each node's number
+    # A follower index's contents by its identity (``follow`` keeps the indices alive, and
+    # repeated layers share them): equal contents, one number.
+    contents: dict[bytes, int] = {}
+    content_of: dict[int, int] = {}
+    values = graph.values
     for nid in searchable:
-        node = graph.nodes[nid]
-        index = follow[nid][1] if nid in follow else None
-        outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outputs)
-        alike = (space.rule(nid), kinds[nid], None if index is None else index.tobytes(),
-                 node.weight, outs, tuple(graph.operand_dtype(o) for o in node.inputs))
-        members[rep_of(nid)].append((nid, alike_ids.setdefault(alike, len(alike_ids))))
+        node = nodes[nid]
+        followed = follow.get(nid)
+        content = None
+        if followed is not None:
+            content = content_of.get(id(followed[1]))
+            if content is None:
+                content = content_of[id(followed[1])] = contents.setdefault(
+                    followed[1].tobytes(), len(contents))
+        outs = tuple([(values[v].shape, values[v].dtype) for v in node.outputs])
+        dtypes = tuple([o.dtype if isinstance(o, Const) else values[o].dtype
+                        for o in node.inputs])
+        alike = (rules[nid], kinds[nid], content, node.weight, outs, dtypes)
+        number = alike_of[nid] = alike_ids.setdefault(alike, len(alike_ids))
+        members[nid if followed is None else followed[0]].append((nid, number))
 
     # -- edges --------------------------------------------------------------------------------
     inner: list[tuple[int, int, float]] = []
@@ -349,31 +365,46 @@ def _layout(space: SearchSpace, pins: Sequence[Pin], ties: Sequence[tuple[int, i
     matrices: dict[tuple, tuple[np.ndarray, bool]] = {}  # and whether anything moves
     moves: dict[tuple, float] = {}  # seconds of one layout change, by layout ids (_edge_matrix)
     edges_between = 0  # edges between two coarse nodes (each needs a matrix)
-    # Candidates whose ports differ, by the two port arrays (shared by repeated layers, kept
-    # alive by ``ports``: their ids stay theirs while this runs)
-    differ: dict[tuple[int, int], list[int]] = {}
+    # An edge's layout changes depend on its two ports (each end's candidates and follower
+    # index, and the port's number), its value's shape and dtype (the producer's results')
+    # and its weight (the ends' loop weights): the ends' numbers above hold all of it, so
+    # edges alike in ``(producer's number, out index, consumer's number, in index)`` share
+    # them, found on the first (issue 14: repeated layers repeat their edges; each edge
+    # looked up its two ports anew).
+    within: dict[tuple, list[tuple[int, float]]] = {}  # (candidate, seconds) inside a node
+    between: dict[tuple, tuple[np.ndarray, bool]] = {}  # the matrix and whether it moves
     for producer, j, consumer, i in graph.priced_edges():
-        ru, rv = rep_of(producer), rep_of(consumer)
-        src, src_bytes = port(producer, "out", j)
-        dst, dst_bytes = port(consumer, "in", i)
+        followed = follow.get(producer)
+        ru = producer if followed is None else followed[0]
+        followed = follow.get(consumer)
+        rv = consumer if followed is None else followed[0]
+        ends = (alike_of[producer], j, alike_of[consumer], i) if share else \
+            (producer, j, consumer, i)
         if ru == rv:
-            pair = (id(src), id(dst))
-            changed = differ.get(pair)
-            if changed is None:
-                changed = differ[pair] = np.flatnonzero(src != dst).tolist()
-            for k in changed:
-                inner.append((ru, k, space.edge_time(producer, j, specs[src[k]], consumer,
-                                                 specs[dst[k]])))
+            changes = within.get(ends)
+            if changes is None:
+                src, _ = port(producer, "out", j)
+                dst, _ = port(consumer, "in", i)
+                changes = within[ends] = [
+                    (k, space.edge_time(producer, j, specs[src[k]], consumer, specs[dst[k]]))
+                    for k in np.flatnonzero(src != dst).tolist()]
+            for k, seconds in changes:
+                inner.append((ru, k, seconds))
             continue
         edges_between += 1
-        value = graph.values[graph.nodes[producer].outputs[j]]
-        signature = (src_bytes, dst_bytes, value.shape, value.dtype,
-                     space.edge_weight(producer, consumer)) if share else (producer, j, consumer, i)
-        found = matrices.get(signature)
-        if found is None:  # repeated layers repeat their edges: price each kind once
-            matrix = _edge_matrix(space, producer, j, consumer, src, dst, specs,
-                                  moves if share else {})
-            found = matrices[signature] = (matrix, bool(matrix.any()))
+        found = between.get(ends)
+        if found is None:
+            src, src_bytes = port(producer, "out", j)
+            dst, dst_bytes = port(consumer, "in", i)
+            value = values[graph.nodes[producer].outputs[j]]
+            signature = (src_bytes, dst_bytes, value.shape, value.dtype,
+                         space.edge_weight(producer, consumer)) if share else ends
+            found = matrices.get(signature)
+            if found is None:  # repeated layers repeat their edges: price each kind once
+                matrix = _edge_matrix(space, producer, j, consumer, src, dst, specs,
+                                      moves if share else {})
+                found = matrices[signature] = (matrix, bool(matrix.any()))
+            between[ends] = found
         matrix, moving = found
         if not moving:
             continue
@@ -454,12 +485,11 @@ def _result_bytes(space: SearchSpace, nid: int, strategy: OpStrategy) -> float:
     return total
 
 
-def _pass_through(space: SearchSpace, nid: int, memo: dict[tuple, bool] | None = None
-                  ) -> tuple[int, int, int] | None:
-    """``(producer, out index, in index)`` when ``nid`` just carries one input's layout on.
-    ``memo`` remembers what an operator's rule says (repeated layers share their rules)."""
-    graph = space.graph
-    node = graph.nodes[nid]
+def _pass_through(graph: OpGraph, node: Node, rule: FactorRule,
+                  memo: dict[tuple, bool] | None = None) -> tuple[int, int, int] | None:
+    """``(producer, out index, in index)`` when ``node`` (of ``rule``) just carries one
+    input's layout on.  ``memo`` remembers what an operator's rule says (repeated layers
+    share their rules)."""
     if node.kind not in (NodeKind.OP, NodeKind.OUTPUT, NodeKind.EXIT) or len(node.outputs) > 1:
         return None
     values = [(i, o) for i, o in enumerate(node.inputs) if not isinstance(o, Const)]
@@ -467,7 +497,6 @@ def _pass_through(space: SearchSpace, nid: int, memo: dict[tuple, bool] | None =
         return None
     i, operand = values[0]
     if node.kind is NodeKind.OP:
-        rule = space.rule(nid)
         key = (rule, i, bool(node.outputs))
         carries = memo.get(key) if memo is not None else None
         if carries is None:
@@ -553,19 +582,21 @@ def _layer_groups(space: SearchSpace, reps: Sequence[int], cands: Mapping, force
                 by_value.setdefault(options, len(by_value))
         return found
 
+    values = graph.values
     for node in graph.nodes:
         nid = node.id
-        shapes = tuple(graph.values[v].shape for v in node.outputs)
         if node.kind is NodeKind.OP and node.source != "?":
             where = call_sites(node.eqn) if node.eqn is not None else ()
-            key = ("op", node.name, where or node.source, space.rule(nid), node.weight,
-                   listed(nid))
-        elif node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
-            key = ("arg", re.sub(r"\d+", "#", node.label), shapes, listed(nid))
+            key: tuple = ("op", node.name, where or node.source, space.rule(nid), node.weight,
+                          listed(nid))
         elif node.kind is NodeKind.OP:
             key = ("op", node.name, space.rule(nid), node.weight, listed(nid))
-        else:
-            key = (node.kind, node.name, shapes, node.weight, listed(nid))
+        else:  # (the results' shapes, which only these keys hold)
+            shapes = tuple([values[v].shape for v in node.outputs])
+            if node.kind in (NodeKind.INPUT, NodeKind.CONST) and node.label:
+                key = ("arg", re.sub(r"\d+", "#", node.label), shapes, listed(nid))
+            else:
+                key = (node.kind, node.name, shapes, node.weight, listed(nid))
         colour.append(first.setdefault(key, len(first)))
     # A node's neighbourhood, each neighbour ``(side, own port, its port, its colour)`` as one
     # number: ``colour * ports + (side, a, b)`` numbered; equal multisets of numbers are equal
