@@ -53,7 +53,9 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
     best, best_cost = None, None
     orders = (sorted(problem.reps, key=lambda r: (-weight[r], r)), list(problem.reps))
     axes = tuple(space.model.mesh.names)
-    starts = [_rounds(problem, order, adjacency, implied, light, axes) for order in orders]
+    takers: dict = {}  # per candidate list and axis, the factor each candidate gives it
+    starts = [_rounds(problem, order, adjacency, implied, light, axes, takers)
+              for order in orders]
     for start in starts:
         choice = improve(problem, start, sweeps=sweeps)
         cost = problem.objective(choice)
@@ -63,15 +65,15 @@ def solve_recursive(problem: Problem, *, sweeps: int = 2) -> dict[int, int]:
 
 
 def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
-            implied: dict[int, np.ndarray], light: set[int], axes: tuple[str, ...]
-            ) -> dict[int, int]:
+            implied: dict[int, np.ndarray], light: set[int], axes: tuple[str, ...],
+            takers: dict | None = None) -> dict[int, int]:
     """One round per mesh axis in ``order``; returns a full choice.
 
     A light operator (no contraction) whose neighbours are all undecided waits, once, until
     the end of the round: with nothing to follow yet, it would only guess.
     """
     alive = {r: np.arange(len(problem.cands[r])) for r in problem.reps}
-    takers: dict = {}  # per candidate list and axis, the factor each candidate gives it
+    takers = {} if takers is None else takers  # see :func:`_split_by_axis`
     for axis in axes:
         decided: set[int] = set()
         queue = collections.deque(order)
@@ -83,15 +85,22 @@ def _rounds(problem: Problem, order: list[int], adjacency: dict[int, set[int]],
                 queue.append(r)
                 continue
             options = _split_by_axis(problem, r, alive[r], axis, takers)
+            if len(options) == 1:  # nothing to choose, nothing to price
+                alive[r] = options[0]
+                decided.add(r)
+                continue
             best_cls, best_score = None, None
-            cost_r, implied_r = problem.cost[r], implied[r]
-            near = [(edge_rows(problem, r, u), alive[u]) for u in adjacency[r] if u in decided]
+            own_r = problem.cost[r] + implied[r]
+            # each decided neighbour's cheapest pair per candidate of ``r``, once: the least of
+            # an option's block is the least of its rows' (issue 14: a block per option was
+            # cut out of the matrix)
+            near = [np.minimum.reduce(edge_rows(problem, r, u)[:, alive[u]], axis=1)
+                    for u in adjacency[r] if u in decided]
             for cls in options:
-                own = float(least(cost_r[cls] + implied_r[cls]))
+                own = float(least(own_r[cls]))
                 redist = 0.0
-                rows = cls[:, None]
-                for m, cols in near:
-                    redist += float(least(m[rows, cols]))
+                for row_least in near:
+                    redist += float(least(row_least[cls]))
                 score = own + redist
                 if best_score is None or better(score, best_score):
                     best_cls, best_score = cls, score
@@ -112,7 +121,8 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str,
                    takers: dict | None = None) -> list[np.ndarray]:
     """The candidates of ``r`` still alive, grouped by the factor that takes ``axis`` (-1:
     none), groups in factor order.  ``takers`` remembers each candidate list's factors by
-    the list's identity (repeated layers share a few lists: issue 14).
+    the list's identity, and its groups when every candidate is alive (repeated layers share
+    a few lists, and each start's first round splits every list whole: issue 14).
 
     >>> import dataclasses
     >>> from jaxpar._src.rules import OpStrategy
@@ -123,18 +133,24 @@ def _split_by_axis(problem: Problem, r: int, alive: np.ndarray, axis: str,
     [[2], [0], [1]]
     """
     cands = problem.cands[r]
+    whole = len(alive) == len(cands)  # (then ``alive`` is every candidate, in order)
     key = (id(cands), axis)
     found = takers.get(key) if takers is not None else None
     if found is None or found[0] is not cands:
         where = np.array([next((f for f, axes in enumerate(c.factor_axes) if axis in axes), -1)
                           for c in cands], dtype=np.int64)
-        found = (cands, where)
+        found = [cands, where, None]
         if takers is not None:
             takers[key] = found
+    elif whole and found[2] is not None:  # the first axis splits every list whole, once
+        return found[2]
     taker = found[1][alive]
     # the factors in order, as np.unique lists them (a set of a few small numbers sorted is
     # cheaper than np.unique's sort, asked per operator and axis: issue 14)
-    return [alive[taker == f] for f in sorted(set(taker.tolist()))]
+    groups = [alive[taker == f] for f in sorted(set(taker.tolist()))]
+    if whole:
+        found[2] = groups
+    return groups
 
 
 def _implied_total(problem: Problem, r: int, cache: dict) -> np.ndarray:
