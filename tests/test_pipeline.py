@@ -319,6 +319,39 @@ def test_layers_holding_a_scan_pipeline_too():
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["where", "in_scan"])
+def test_a_layer_broadcasting_a_batch_mask_pipelines(where):
+    """A layer that broadcasts a batch input (an attention mask through ``jnp.where``, as flax's
+    Gemma does): JAX's ``broadcast_in_dim`` records its result's sharding on the mesh it was
+    traced under (the stage's); replayed inside ``shard_map`` (``"pp"`` manual) JAX refused
+    it ("context mesh ... should match the aval mesh") until the evaluator moved the sharding
+    onto the mesh in force (``compat.on_current_mesh``)."""
+    def body(x, m):
+        return jnp.where(jnp.expand_dims(m, -1), x, -1.0)
+
+    def loss(w, x, mask):
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+            if where == "in_scan":
+                x, _ = jax.lax.scan(lambda h, _: (body(h, mask), None), x, None, length=2)
+            else:
+                x = body(x, mask)
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 4, 8))
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (16, 4))
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss, bubble_fill=NAN)),
+                                  micro_batches=4, batch_argnums=(1, 2))
+        value, grad = step(w, x, mask)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x, mask)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gpt_gradients_equal_unpipelined_with_nan_bubbles():
     # (Model.train below runs 1F1B; the toy above every schedule)
     _, _, loss_fn, params, batch = _gpt(4)
