@@ -613,3 +613,23 @@ def test_a_mesh_without_pp_and_an_uneven_batch_are_explained():
         with pytest.raises(jaxpar.PlanError, match="micro_batches=3"):
             jaxpar.parallelize(jaxpar.PipelineCell(loss), micro_batches=3,
                                batch_argnums=1)(w, x)
+
+
+@pytest.mark.parametrize("micro_batches, batch_argnums, error, match", [
+    # 2 rows a micro-batch over the stage's dp=4: the stage's own plan said only that a batch
+    # of [2, 8] does not split "over all 4 devices", naming data_parallel and not the pipeline
+    (8, 1, jaxpar.PlanError, r"micro_batches=8 cuts the batch of 16 rows into micro-batches "
+                             r"of 2, .* Use micro_batches=4 \(any of \[1, 2, 4\]"),
+    # an argument that does not exist: "no batch input to split ... say which arguments
+    # carry the batch (batch_argnums)", as though none had been named
+    (4, 5, jaxpar.PlanError, r"batch_argnums=\(5,\) names argument 5, but the function is "
+                             r"called with 2 arguments"),
+], ids=["rows-over-dp", "batch-argnums-out-of-range"])
+def test_bad_micro_batch_inputs_name_the_pipeline_and_the_fix(micro_batches, batch_argnums,
+                                                              error, match):
+    loss, w, x = _toy()
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                      mesh=jaxpar.make_mesh((4, 2), ("dp", "pp"))):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=batch_argnums)
+        with pytest.raises(error, match=match):
+            jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=micro_batches)(w, x)
