@@ -348,3 +348,36 @@ def test_sums_of_gradients_and_the_embedding_reduce_scatter_once():
     assert colls.count("all-reduce") == 0, colls.table()
     assert_tree_close(out[1][1], jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
     assert_tree_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_zero_centred_scale_reduce_scatters_its_gradient(level):
+    """Gemma's RMSNorm reads its scale as ``x * (1 + scale)``: JAX's transpose of that ``add``
+    ends the scale's gradient in a ``reshard`` to the traced (empty) mesh, an identity XLA
+    never sees.  The reduce-scatter's walk stopped at it, so the zoo's Gemma all-reduced every
+    norm scale's gradient whole at levels 1-2; it now passes it as the identity it is."""
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"w": jax.random.normal(k[0], (16, 64)) * 0.2, "s": jnp.zeros((64,))}
+    x = jax.random.normal(k[1], (32, 16))
+    tx = optax.adam(1e-2, eps=1e-3)
+
+    def step(p, s, x):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) * (1.0 + p["s"])) ** 2)
+        u, s = tx.update(jax.grad(loss)(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    args = (params, tx.init(params), x)
+    psi = sum(v.size * 4 for v in jax.tree.leaves(params))
+    with jaxpar.auto_parallel_context(**_zero(level, parallel_optimizer_threshold=0)):
+        f = jaxpar.parallelize(step, mesh=jaxpar.make_mesh((8,), ("dp",)),
+                               parallel_mode="data_parallel")
+        colls = jaxpar.inspect.collectives(f.lower(*args).compile())
+        plan = f.plan(*args)
+        result = f(*args)
+    assert colls.count("reduce-scatter") == 2, colls.table()
+    assert colls.total_bytes("reduce-scatter") == psi, colls.table()
+    assert colls.count("all-reduce") == 0, colls.table()
+    assert sorted((c.kind, c.axes, c.nbytes, c.count) for c in plan.predicted_collectives()) \
+        == sorted((r.kind, tuple(r.axes), r.nbytes, r.count) for r in colls), plan.explain()
+    assert_tree_close(result, jax.jit(step)(*args), rtol=1e-5, atol=1e-6)

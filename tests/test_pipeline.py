@@ -319,6 +319,39 @@ def test_layers_holding_a_scan_pipeline_too():
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["where", "in_scan"])
+def test_a_layer_broadcasting_a_batch_mask_pipelines(where):
+    """A layer that broadcasts a batch input (an attention mask through ``jnp.where``, as flax's
+    Gemma does): JAX's ``broadcast_in_dim`` records its result's sharding on the mesh it was
+    traced under (the stage's); replayed inside ``shard_map`` (``"pp"`` manual) JAX refused
+    it ("context mesh ... should match the aval mesh") until the evaluator moved the sharding
+    onto the mesh in force (``compat.on_current_mesh``)."""
+    def body(x, m):
+        return jnp.where(jnp.expand_dims(m, -1), x, -1.0)
+
+    def loss(w, x, mask):
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+            if where == "in_scan":
+                x, _ = jax.lax.scan(lambda h, _: (body(h, mask), None), x, None, length=2)
+            else:
+                x = body(x, mask)
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 4, 8))
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (16, 4))
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "pp"))
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", mesh=mesh,
+                                      pipeline_stages=2):
+        step = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss, bubble_fill=NAN)),
+                                  micro_batches=4, batch_argnums=(1, 2))
+        value, grad = step(w, x, mask)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x, mask)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gpt_gradients_equal_unpipelined_with_nan_bubbles():
     # (Model.train below runs 1F1B; the toy above every schedule)
     _, _, loss_fn, params, batch = _gpt(4)
@@ -580,3 +613,23 @@ def test_a_mesh_without_pp_and_an_uneven_batch_are_explained():
         with pytest.raises(jaxpar.PlanError, match="micro_batches=3"):
             jaxpar.parallelize(jaxpar.PipelineCell(loss), micro_batches=3,
                                batch_argnums=1)(w, x)
+
+
+@pytest.mark.parametrize("micro_batches, batch_argnums, error, match", [
+    # 2 rows a micro-batch over the stage's dp=4: the stage's own plan said only that a batch
+    # of [2, 8] does not split "over all 4 devices", naming data_parallel and not the pipeline
+    (8, 1, jaxpar.PlanError, r"micro_batches=8 cuts the batch of 16 rows into micro-batches "
+                             r"of 2, .* Use micro_batches=4 \(any of \[1, 2, 4\]"),
+    # an argument that does not exist: "no batch input to split ... say which arguments
+    # carry the batch (batch_argnums)", as though none had been named
+    (4, 5, jaxpar.PlanError, r"batch_argnums=\(5,\) names argument 5, but the function is "
+                             r"called with 2 arguments"),
+], ids=["rows-over-dp", "batch-argnums-out-of-range"])
+def test_bad_micro_batch_inputs_name_the_pipeline_and_the_fix(micro_batches, batch_argnums,
+                                                              error, match):
+    loss, w, x = _toy()
+    with jaxpar.auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                      mesh=jaxpar.make_mesh((4, 2), ("dp", "pp"))):
+        cell = jaxpar.PipelineCell(loss, batch_argnums=batch_argnums)
+        with pytest.raises(error, match=match):
+            jaxpar.parallelize(jax.value_and_grad(cell), micro_batches=micro_batches)(w, x)

@@ -94,6 +94,42 @@ def test_a_mask_stretched_over_the_rows_is_read_per_group():
     assert not [r for r in colls if r.axes == ("dp",) and r.kind == "all-gather"], colls.table()
 
 
+def _rope_split(h, c, s):  # flax Gemma's apply_rope: halves (jnp.split, jnp.concatenate)
+    a, b = jnp.split(h, 2, axis=-1)
+    return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def _rope_stack(h, c, s):  # Meta's interleaved pairs: (re, im) = h[..., 0::2], h[..., 1::2]
+    pairs = h.reshape(*h.shape[:-1], -1, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    return jnp.stack([re * c - im * s, re * s + im * c], axis=-1).reshape(h.shape)
+
+
+@pytest.mark.parametrize("rope", [_rope_split, _rope_stack], ids=["split", "stack"])
+def test_a_rotary_embedding_keeps_rows_apart(rope):
+    """Rotary embeddings as the zoo's Gemma (``jnp.split``) and LLaMA (``jnp.stack``) write
+    them: JAX 0.10's ``split``/``stack`` (and ``unstack``, their transpose) cut or join along
+    the features, never the rows; the proof did not know them, and the stage gradients were
+    all-reduced over dp once per micro-batch in the loop."""
+    c, s = jnp.cos(jnp.arange(4.0)), jnp.sin(jnp.arange(4.0))
+
+    def loss(w, x):
+        for i in range(4):
+            x = jnp.tanh(rope(x @ w[i], c, s))
+        return jnp.mean(x ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    red = pipe.gradient_reduction
+    assert red.once, red.why
+    assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [
+        (1, red.step_bytes + red.loss_bytes)], colls.table()
+
+
 @pytest.mark.slow
 def test_a_layer_weight_split_over_the_row_axes_keeps_the_per_micro_batch_reduction():
     # At 2 rows a micro-batch the search splits the MLP's kernels over (dp, tp), dp being the

@@ -216,3 +216,21 @@ def test_a_module_staged_and_recomputed_keeps_both_marks(order):
         params, jnp.ones((2, 4)))
     assert "remat" in str(jaxpr) or "checkpoint" in str(jaxpr)
     assert {stage_of(str(e.source_info.name_stack)) for e in jaxpr.eqns} - {None} == {0}
+
+
+@pytest.mark.parametrize("peaks, smallest", [
+    # the zoo's 2-layer Gemma at 30% of its unrecomputed peak: the ladder's all-full rung
+    # compiled 311 KiB, the all-full rung searched with memory priced in 488 KiB, and the
+    # error said the program "still needs" 488 KiB
+    ((530_540, 503_852, 470_000, 460_000, 311_340, 488_000), "304 KiB"),
+    ((530_540, 400_000, 420_000), "391 KiB"),  # a rung before the last is the smallest
+])
+def test_the_refusal_names_the_smallest_program_compiled(peaks, smallest):
+    from jaxpar._src.recompute_choice import Rung, ladder, refusal
+
+    rungs = [Rung(policies, None, None, None, peak, 0.0) for policies, peak in
+             zip([*ladder(2), ladder(2)[-1]], peaks, strict=False)]
+    error = refusal("f", ["a", "b"], 100e3, rungs)
+    assert isinstance(error, jaxpar.PlanError)
+    assert f"still needs {smallest}" in str(error), str(error)
+    assert "Raise memory_per_device" in str(error)

@@ -500,9 +500,9 @@ class Parallelized:
             except PlanError as e:
                 if "no plan fits the memory budget" not in str(e):
                     raise
-                raise refusal(info.api, layers, budget, tried[-1].compiled_bytes) from None
+                raise refusal(info.api, layers, budget, tried) from None
             if chosen.compiled_bytes > budget:
-                raise refusal(info.api, layers, budget, chosen.compiled_bytes)
+                raise refusal(info.api, layers, budget, [*tried, chosen])
         notes = explain_choice(layers, budget, chosen, tried, fallback=fallback)
         if id(chosen) in levels:
             notes += (f"parallel optimizer: {levels[id(chosen)]} chosen with this recompute "

@@ -197,9 +197,37 @@ def bind_equation(eqn: jcore.JaxprEqn, invals: Sequence[Any],
         subfuns, bind_params = got
     else:
         subfuns, bind_params = [], got
+    if here:
+        bind_params = on_current_mesh(bind_params)
     with _eqn_context(eqn, here):
         out = prim.bind(*subfuns, *invals, **bind_params)
     return list(out) if prim.multiple_results else [out]
+
+
+def on_current_mesh(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with every ``NamedSharding`` on another mesh (the one the equation was traced
+    under) moved onto JAX's abstract mesh in force, its spec kept: an equation replayed inside
+    ``shard_map`` (a pipeline stage's layer, traced on the stage's mesh, runs where ``"pp"`` is
+    manual) would otherwise give its result a mesh JAX refuses ("context mesh ... should match
+    the aval mesh"): ``jnp.where``'s and ``jnp.broadcast_to``'s ``broadcast_in_dim`` carry their
+    result's sharding, ``reshard`` its destination.  A spec naming an axis the mesh in force
+    lacks is left as it was (JAX's error names it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return params
+    out = None
+    for key, value in params.items():
+        if not isinstance(value, jax.sharding.NamedSharding) or value.mesh == mesh:
+            continue
+        names = {n for entry in value.spec
+                 for n in ((entry,) if isinstance(entry, str) else
+                           entry if isinstance(entry, tuple) else ())}
+        if not names <= set(mesh.axis_names):
+            continue
+        if out is None:
+            out = dict(params)
+        out[key] = jax.sharding.NamedSharding(mesh, value.spec)
+    return params if out is None else out
 
 
 @contextlib.contextmanager

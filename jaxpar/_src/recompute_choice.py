@@ -130,14 +130,29 @@ def _ratio(r: Rung) -> str:
     return f"{r.plan.memory_bytes / r.compiled_bytes:.2f}" if r.compiled_bytes else "-"
 
 
-def refusal(api: str, layers: Sequence[str], budget: float, smallest: float) -> PlanError:
-    """No recomputation fits: the error names the budget and the fixes."""
+def refusal(api: str, layers: Sequence[str], budget: float, tried: Sequence[Rung]
+            ) -> PlanError:
+    """No recomputation fits: the error names the budget, the smallest compiled peak of the
+    programs ``tried`` (the ladder's rungs and, where it was made, the all-full rung searched
+    with memory priced in) with its policies, and the fixes.  The search with memory priced
+    in judges by the model, not by XLA's buffer assignment, and may compile larger than the
+    ladder's own all-full rung (the zoo's 2-layer Gemma: 488 KiB against 311 KiB); the error
+    named its figure as what the smallest program needs.
+
+    >>> r = lambda policies, peak: Rung(policies, None, None, None, peak, 0.0)
+    >>> e = refusal("f", ["a", "b"], 2.0**10, [r(("none", "none"), 4e5),
+    ...             r(("full", "dots"), 3e5), r(("full", "full"), 5e5)])
+    >>> "(policies full, dots) still needs 293 KiB, of 3 tried" in str(e)
+    True
+    """
+    smallest = min(tried, key=lambda r: r.compiled_bytes)
     return PlanError(
         f"{api}: no recompute policy fits the memory budget of {_bytes(budget)} per device "
-        f"(HardwareProfile.memory_per_device): with all {len(layers)} jaxpar.recompute("
-        f"policy='auto') blocks fully recomputed the compiled program still needs "
-        f"{_bytes(smallest)}. Raise memory_per_device, use more devices or a smaller batch, or "
-        f"wrap more of the model in jaxpar.recompute.")
+        f"(HardwareProfile.memory_per_device): the smallest program compiled (policies "
+        f"{', '.join(smallest.policies)}) still needs {_bytes(smallest.compiled_bytes)}, of "
+        f"{len(tried)} tried for the {len(layers)} jaxpar.recompute(policy='auto') blocks. "
+        f"Raise memory_per_device, use more devices or a smaller batch, or wrap more of the "
+        f"model in jaxpar.recompute.")
 
 
 def remat_notes(graph: OpGraph) -> tuple[str, ...]:

@@ -157,7 +157,7 @@ def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | 
             return None
         source = iter(kept)
         return [None if n == 1 else next(source) for n in out]
-    if node.name not in _KEEP:
+    if node.name not in _KEEP and not _identity(node):
         return None
     for k, o in enumerate(node.inputs):
         if k != index and (o.shape if isinstance(o, Const) else graph.values[o].shape) != ():
@@ -165,6 +165,17 @@ def _keeps_layout(graph: OpGraph, node: Node, index: int) -> list[int | None] | 
     if out != shape:
         return None
     return list(range(len(shape)))
+
+
+def _identity(node: Node) -> bool:
+    """A ``reshard`` XLA never sees: its destination on an empty or all-``Auto`` mesh, which
+    JAX lowers to nothing (``mlir.lower_with_sharding_in_types``).  JAX's transpose of an
+    ``add`` ends a gradient in one (``x * (1 + scale)``: Gemma's RMSNorm); a ``reshard`` that
+    pins a layout (an ``Explicit`` or manual mesh) is not one."""
+    if node.name != "reshard":
+        return False
+    mesh = getattr(node.eqn.params.get("dst_sharding"), "mesh", None)
+    return mesh is not None and (mesh.empty or mesh.are_all_axes_auto)
 
 
 # Linear operators a partial sum passes on its way to a sum of gradients (a sum of partial
@@ -279,7 +290,7 @@ def _sum_step(graph: OpGraph, node: Node, d: Any,
     if node.name == "add_any":
         if len(terms) != len(node.inputs) or d.out_specs[0] != d.in_specs[0]:
             return None
-    elif node.name not in _LINEAR or len(terms) != 1:
+    elif (node.name not in _LINEAR and not _identity(node)) or len(terms) != 1:
         return None
     else:
         perm = _keeps_layout(graph, node, terms[0])

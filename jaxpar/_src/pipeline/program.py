@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from jaxpar._src.errors import MeshError, PlanError
+from jaxpar._src.errors import MeshError, PlanError, StrategyError
 from jaxpar._src.graph import Const, NodeKind, OpGraph
 from jaxpar._src.hardware import HardwareProfile
 from jaxpar._src.pipeline.config import AXIS, PipelineConfig
@@ -178,7 +178,11 @@ def build_program(fn: Callable, args: Sequence[Any], *, batch_argnums: tuple[int
     sub = sub_mesh(mesh, where)
     micro_args, rows = _micro_args(args, batch_argnums, M, where)
     sub_mode = mode if sub.devices.size > 1 else ParallelMode.STAND_ALONE
-    entry, how = _plan(fn, micro_args, batch_argnums, sub, sub_mode, search_mode, hardware)
+    try:
+        entry, how = _plan(fn, micro_args, batch_argnums, sub, sub_mode, search_mode, hardware)
+    except StrategyError as e:
+        _check_rows(rows, M, sub, where, e)
+        raise
     program, plan = entry.program, entry.plan
     graph = program.graph
     n_leaves = len(graph.inputs)
@@ -314,6 +318,12 @@ def _layer_reads(graph: OpGraph, layer: Layer, rest: Sequence[int], groups: RowG
 def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, where: str
                 ) -> tuple[list[Any], int]:
     """The arguments with every batch leaf cut to one micro-batch's rows."""
+    missing = [i for i in batch_argnums if not -len(args) <= i < len(args)]
+    if missing:
+        raise PlanError(f"{where}: batch_argnums={tuple(batch_argnums)} names argument "
+                        f"{missing[0]}, but the function is called with {len(args)} "
+                        f"arguments; name the arguments that carry the batch (0 to "
+                        f"{len(args) - 1}).")
     rows = None
     out = []
     for i, a in enumerate(args):
@@ -338,6 +348,28 @@ def _micro_args(args: Sequence[Any], batch_argnums: tuple[int, ...], M: int, whe
         raise PlanError(f"{where}: no batch input to split into micro-batches; say which "
                         f"arguments carry the batch (batch_argnums).")
     return out, rows
+
+
+def _check_rows(rows: int, M: int, sub: Mesh, where: str, error: Exception) -> None:
+    """The stage's plan refused to split a micro-batch of ``rows`` over the stage's devices
+    (``error``: semi_auto_parallel lays a stage's micro-batch out over every mesh axis but
+    ``"pp"``, as data parallelism does): says so in the pipeline's terms, with the
+    micro-batch counts that would split, where that error named only a batch of ``rows``
+    (not the user's) and data parallelism."""
+    n = int(sub.devices.size)
+    if n <= 1 or rows % n == 0:
+        return
+    batch = rows * M
+    fits = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % n == 0]
+    below = [m for m in fits if m <= M]
+    hint = (f"micro_batches={below[-1] if below else fits[0]} (any of {fits[:8]} cuts "
+            f"{batch} rows into micro-batches of a multiple of {n})" if fits else
+            f"a batch that is a multiple of {M * n} rows")
+    axes = ", ".join(f"{a}={k}" for a, k in zip(sub.axis_names, sub.axis_sizes, strict=True))
+    raise PlanError(f"{where}: micro_batches={M} cuts the batch of {batch} rows into "
+                    f"micro-batches of {rows}, which do not split over the {n} devices of a "
+                    f"stage ({axes}: each stage splits its micro-batch over every mesh axis "
+                    f"but 'pp'). Use {hint}. (The stage's plan: {error})") from error
 
 
 def _retrace(fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...], M: int,

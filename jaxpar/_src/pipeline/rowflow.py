@@ -245,6 +245,16 @@ def _through(node: Any, ins: list[RowDim | None], graph: OpGraph, rows: int, sma
         if len(set(live)) > 1 or any(x is None for x in ins):
             return f"{name} mixes operands with and without rows"
         return f"{name} runs along the rows" if p[key] == d else [s] * n_out
+    if name == "split":  # jnp.split: each piece keeps the rows unless it cuts along them
+        return "split cuts the rows" if p["axis"] % len(shapes[0]) == d else [s] * n_out
+    if name == "stack":  # jnp.stack: a new dimension of one operand per index
+        if len(set(live)) > 1 or any(x is None for x in ins):
+            return "stack mixes operands with and without rows"
+        axis = p["axis"] % len(out_shape)
+        return [(d + (axis <= d), minor)]
+    if name == "unstack":  # its transpose: the dimension cut into results
+        axis = p["axis"] % len(shapes[0])
+        return "unstack cuts the rows" if axis == d else [(d - (axis < d), minor)] * n_out
     if name == "pad":
         if ins[1] is not None or tuple(p["padding_config"][d]) != (0, 0, 0):
             return "pad pads the rows"
