@@ -219,10 +219,9 @@ def test_a_module_staged_and_recomputed_keeps_both_marks(order):
 
 
 @pytest.mark.parametrize("peaks, smallest", [
-    # the zoo's 2-layer Gemma at 30% of its unrecomputed peak: the ladder's all-full rung
-    # compiled 311 KiB, the all-full rung searched with memory priced in 488 KiB, and the
-    # error said the program "still needs" 488 KiB
-    ((530_540, 503_852, 470_000, 460_000, 311_340, 488_000), "304 KiB"),
+    # the zoo's 2-layer Gemma (round 32's measures): the ladder's rungs, then the all-full
+    # rung searched with memory priced in (Adam's moments split over dp), the smallest
+    ((530_540, 503_852, 500_204, 499_820, 499_820, 311_340), "304 KiB"),
     ((530_540, 400_000, 420_000), "391 KiB"),  # a rung before the last is the smallest
 ])
 def test_the_refusal_names_the_smallest_program_compiled(peaks, smallest):
@@ -234,3 +233,28 @@ def test_the_refusal_names_the_smallest_program_compiled(peaks, smallest):
     assert isinstance(error, jaxpar.PlanError)
     assert f"still needs {smallest}" in str(error), str(error)
     assert "Raise memory_per_device" in str(error)
+
+
+# Predicted (plan.memory_bytes, jaxpar's model) against compiled (memory_analysis: arguments +
+# outputs - aliased + temporaries) per policy, for the 3-layer MLP step above on (8,) in
+# auto_parallel.  Tolerance 7%: the model places buffers in graph order, not in XLA's schedule,
+# and packs them with XLA's heap algorithm in outline (program_memory.py); measured 1.042
+# (none) and 1.061 (dots).  "full" is under by 26% (0.738: 456,704 B against 618,592 B):
+# the model's packing run on XLA's own lifetimes (its live-range dump) gives XLA's
+# temporaries within 3.5% for every policy, but with full recomputation XLA's schedule holds
+# 475,136 B of temporaries live at once where the model's graph order holds 333,824 B.
+# README "Recomputation" has the numbers; the row is a strict xfail, so a model that learns
+# XLA's schedule fails here and the row must become a plain one.
+@pytest.mark.parametrize("policy, tolerance", [
+    ("none", 0.07),
+    ("dots", 0.07),
+    pytest.param("full", 0.07, marks=pytest.mark.xfail(
+        strict=True, reason="XLA's schedule keeps more live than graph order: 0.74")),
+])
+def test_predicted_memory_is_near_the_compiled_per_policy(data, mesh, policy, tolerance):
+    params, x = data
+    f = jaxpar.parallelize(make_step(jaxpar.recompute(block, policy=policy)), mesh=mesh,
+                           parallel_mode="auto_parallel")
+    predicted = f.plan(params, x).memory_bytes
+    compiled = jaxpar.inspect.memory(f.lower(params, x).compile())["total"]
+    assert abs(predicted / compiled - 1.0) <= tolerance, (policy, predicted, compiled)

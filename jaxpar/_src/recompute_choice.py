@@ -135,9 +135,9 @@ def refusal(api: str, layers: Sequence[str], budget: float, tried: Sequence[Rung
     """No recomputation fits: the error names the budget, the smallest compiled peak of the
     programs ``tried`` (the ladder's rungs and, where it was made, the all-full rung searched
     with memory priced in) with its policies, and the fixes.  The search with memory priced
-    in judges by the model, not by XLA's buffer assignment, and may compile larger than the
-    ladder's own all-full rung (the zoo's 2-layer Gemma: 488 KiB against 311 KiB); the error
-    named its figure as what the smallest program needs.
+    in judges by the model, not by XLA's buffer assignment (README "Recomputation": on the
+    zoo's 2-layer Gemma it predicted 260 KiB for a program that compiled 304 KiB, the
+    ladder's all-full rung 488 KiB), so the smallest program may be any of them.
 
     >>> r = lambda policies, peak: Rung(policies, None, None, None, peak, 0.0)
     >>> e = refusal("f", ["a", "b"], 2.0**10, [r(("none", "none"), 4e5),
