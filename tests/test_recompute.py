@@ -242,7 +242,9 @@ def test_the_refusal_names_the_smallest_program_compiled(peaks, smallest):
 # (none) and 1.061 (dots).  "full" is under by 26% (0.738: 456,704 B against 618,592 B):
 # the model's packing run on XLA's own lifetimes (its live-range dump) gives XLA's
 # temporaries within 3.5% for every policy, but with full recomputation XLA's schedule holds
-# 475,136 B of temporaries live at once where the model's graph order holds 333,824 B.
+# 475,136 B of temporaries live at once where the model's graph order holds 333,824 B:
+# XLA:CPU's optimized HLO has lost the checkpoint's optimization barriers and merged the
+# recomputed x @ w1 products with the forward's, which it keeps live into the backward.
 # README "Recomputation" has the numbers; the row is a strict xfail, so a model that learns
 # XLA's schedule fails here and the row must become a plain one.
 @pytest.mark.parametrize("policy, tolerance", [
