@@ -144,6 +144,38 @@ def test_the_program_digest_changes_with_what_the_program_does(first, second, ar
     assert _digest(first, *args) != _digest(second, *args)
 
 
+def _closing(value, where="top"):
+    """A function closing over an array constant ``value`` (jax.jit bakes its value into the
+    trace): at the top level, in a nested jit, or in a scan body."""
+    c = np.full((8, 16), value, np.float32)
+    if where == "top":
+        return lambda x: jnp.tanh(x) + c
+    if where == "jit":
+        return lambda x: jax.jit(lambda y: y * c)(x)
+    return lambda x: jax.lax.scan(lambda h, _: (h * c, None), x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "scan"])
+def test_the_program_digest_changes_with_a_closed_over_constants_value(where):
+    """A closed-over array is a constant of the traced program, like a literal: another value
+    is another program (a stale hit would run the old value's executable)."""
+    assert _digest(_closing(1.0, where), _X) == _digest(_closing(1.0, where), _X)
+    assert _digest(_closing(1.0, where), _X) != _digest(_closing(2.0, where), _X)
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "scan"])
+def test_a_closed_over_constants_value_is_not_served_from_the_cache(cache_dir, where):
+    """The same function (one name, one code) closing over another value, as in a second run
+    of a script whose constant changed: the result is jax.jit's, not the stored program's."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    for value in (1.0, 2.0):
+        f = _closing(value, where)
+        got = jaxpar.parallelize(f, mesh=mesh, parallel_mode="auto_parallel")(x)
+        flush()  # the executable is in the directory, as for a second process
+        np.testing.assert_allclose(got, jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+
+
 def test_the_program_digest_leaves_object_addresses_out():
     from jaxpar._src.plan_cache import _params, _text
 
