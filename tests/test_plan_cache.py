@@ -146,16 +146,19 @@ def test_the_program_digest_changes_with_what_the_program_does(first, second, ar
 
 def _closing(value, where="top"):
     """A function closing over an array constant ``value`` (jax.jit bakes its value into the
-    trace): at the top level, in a nested jit, or in a scan body."""
+    trace): at the top level, in a nested jit, in a scan body, or a PRNG key."""
     c = np.full((8, 16), value, np.float32)
     if where == "top":
         return lambda x: jnp.tanh(x) + c
     if where == "jit":
         return lambda x: jax.jit(lambda y: y * c)(x)
+    if where == "key":  # a typed PRNG key (an extended dtype): its data
+        key = jax.random.key(int(value))
+        return lambda x: x + jax.random.normal(key, x.shape)
     return lambda x: jax.lax.scan(lambda h, _: (h * c, None), x, None, length=3)[0]
 
 
-@pytest.mark.parametrize("where", ["top", "jit", "scan"])
+@pytest.mark.parametrize("where", ["top", "jit", "scan", "key"])
 def test_the_program_digest_changes_with_a_closed_over_constants_value(where):
     """A closed-over array is a constant of the traced program, like a literal: another value
     is another program (a stale hit would run the old value's executable)."""
