@@ -91,14 +91,30 @@ def test_a_second_parallelize_runs_the_stored_executable_without_lowering(cache_
     assert jaxpar.inspect.collectives(lowered).by_kind() == theirs.by_kind()
 
 
-def test_a_corrupt_executable_warns_once_and_is_compiled_and_replaced(cache_dir, lowerings):
+def _flipped(data, start, n=64):
+    """``data`` with ``n`` bytes from ``start`` inverted (a disk or copy error)."""
+    return data[:start] + bytes(b ^ 0xFF for b in data[start:start + n]) + data[start + n:]
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda data: data[:len(data) // 2],  # truncated: a header, half an executable
+    lambda data: _flipped(data, len(data) // 2),  # bytes changed inside XLA's program
+    lambda data: _flipped(data, len(data) - 200),  # ... near its end
+    lambda data: _flipped(data, len(data) * 2 // 3, n=1),  # one byte
+    lambda data: data + b"\0" * 16,  # more than was written
+], ids=["truncated", "flipped-middle", "flipped-end", "one-byte", "appended"])
+def test_a_corrupt_executable_warns_once_and_is_compiled_and_replaced(cache_dir, lowerings,
+                                                                     corrupt):
+    """A file whose payload is not the bytes written (a flipped byte may still deserialize,
+    into another program: it ran and gave other numbers) is refused before XLA reads it."""
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     args = _args()
     want = _auto(mesh)(*args)
     (name,) = _executables(cache_dir)
     path = cache_dir / name
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])  # truncated: a header, half an executable
+    path.write_bytes(corrupt(data))
+    bad = path.read_bytes()
     lowerings.update(evaluator=0, compile=0)
     with pytest.warns(jaxpar.JaxparWarning, match="ignoring the executable") as caught:
         got = _auto(mesh)(*args)
@@ -106,7 +122,7 @@ def test_a_corrupt_executable_warns_once_and_is_compiled_and_replaced(cache_dir,
     assert lowerings["evaluator"] == 1  # the normal path: lowered and compiled
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     flush()  # the background write of the new executable
-    assert path.read_bytes() != data[:len(data) // 2]  # replaced by a good one
+    assert path.read_bytes() != bad  # replaced by a good one
     lowerings.update(evaluator=0, compile=0)
     np.testing.assert_array_equal(np.asarray(_auto(mesh)(*args)), np.asarray(want))
     assert lowerings == {"evaluator": 0, "compile": 0}

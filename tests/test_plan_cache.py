@@ -144,6 +144,41 @@ def test_the_program_digest_changes_with_what_the_program_does(first, second, ar
     assert _digest(first, *args) != _digest(second, *args)
 
 
+def _closing(value, where="top"):
+    """A function closing over an array constant ``value`` (jax.jit bakes its value into the
+    trace): at the top level, in a nested jit, in a scan body, or a PRNG key."""
+    c = np.full((8, 16), value, np.float32)
+    if where == "top":
+        return lambda x: jnp.tanh(x) + c
+    if where == "jit":
+        return lambda x: jax.jit(lambda y: y * c)(x)
+    if where == "key":  # a typed PRNG key (an extended dtype): its data
+        key = jax.random.key(int(value))
+        return lambda x: x + jax.random.normal(key, x.shape)
+    return lambda x: jax.lax.scan(lambda h, _: (h * c, None), x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "scan", "key"])
+def test_the_program_digest_changes_with_a_closed_over_constants_value(where):
+    """A closed-over array is a constant of the traced program, like a literal: another value
+    is another program (a stale hit would run the old value's executable)."""
+    assert _digest(_closing(1.0, where), _X) == _digest(_closing(1.0, where), _X)
+    assert _digest(_closing(1.0, where), _X) != _digest(_closing(2.0, where), _X)
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "scan"])
+def test_a_closed_over_constants_value_is_not_served_from_the_cache(cache_dir, where):
+    """The same function (one name, one code) closing over another value, as in a second run
+    of a script whose constant changed: the result is jax.jit's, not the stored program's."""
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    for value in (1.0, 2.0):
+        f = _closing(value, where)
+        got = jaxpar.parallelize(f, mesh=mesh, parallel_mode="auto_parallel")(x)
+        flush()  # the executable is in the directory, as for a second process
+        np.testing.assert_allclose(got, jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+
+
 def test_the_program_digest_leaves_object_addresses_out():
     from jaxpar._src.plan_cache import _params, _text
 
@@ -257,3 +292,45 @@ def test_a_decision_edited_by_hand_warns_and_is_searched_again(cache_dir, search
     with pytest.warns(jaxpar.JaxparWarning, match="does not fit this program"):
         plan = _auto(mesh).plan(*args)
     assert searches[0] == 3 and not any(n.startswith(HIT_NOTE) for n in plan.notes)
+
+def _devices_reversed():
+    devices = np.array(jax.devices()[:8][::-1]).reshape(2, 4)
+    return jax.sharding.Mesh(devices, ("dp", "mp"))
+
+
+_P = jax.sharding.PartitionSpec
+
+
+@pytest.mark.parametrize("change", [
+    dict(mesh=_devices_reversed),  # the same shape and names, another device order
+    dict(mesh=lambda: jaxpar.make_mesh((2, 4), ("data", "model"))),  # other axis names
+    dict(options=dict(hardware="h100")),  # another hardware profile
+    dict(options=dict(in_strategy=(_P("dp"), _P(None, "mp"), None))),  # the user's layouts
+    dict(options=dict(out_strategy=_P(None, "mp"))),
+    dict(context=dict(enable_parallel_optimizer=True)),  # ZeRO
+    dict(context=dict(enable_parallel_optimizer=True,
+                      parallel_optimizer_config={"optimizer_level": "level3"})),
+    dict(x64=True),  # jax_enable_x64: other dtypes
+], ids=["device-order", "axis-names", "hardware", "in_strategy", "out_strategy", "zero",
+        "zero-level3", "x64"])
+def test_a_change_of_what_keys_the_plan_searches_again_and_computes_as_jit(
+        cache_dir, searches, change):
+    """One change at a time against a stored plan and executable (the second callable is what
+    a second run of the script has): the plan is searched again, not loaded, and the result is
+    jax.jit's; the first settings again are a hit."""
+    def run(mesh, options, context, x64):
+        with jaxpar.auto_parallel_context(**context), jax.enable_x64(x64):
+            args = _args()
+            f = jaxpar.parallelize(_mlp, mesh=mesh, parallel_mode="auto_parallel", **options)
+            got = f(*args)
+            flush()
+            np.testing.assert_allclose(got, jax.jit(_mlp)(*args), rtol=1e-5, atol=1e-5)
+            return any(n.startswith(HIT_NOTE) for n in f.plan(*args).notes)
+
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    assert not run(mesh, {}, {}, False)
+    other = change.get("mesh", lambda: mesh)()
+    assert not run(other, change.get("options", {}), change.get("context", {}),
+                   change.get("x64", False))
+    assert searches[0] == 2
+    assert run(mesh, {}, {}, False) and searches[0] == 2

@@ -23,15 +23,17 @@ processes.  Out shardings and compiler options follow from the plan.  Under ``ja
 the code that runs (written only by the user or their job).
 
 An executable file that cannot be read or loaded (truncated, another format or key, a backend
-that refuses it) is ignored with one :class:`JaxparWarning`; the program is lowered and compiled
-as without it, and the new executable replaces the file.  Files are written under a temporary
-name and renamed into place, as the plans are, by a background thread (:func:`store_in_background`):
-the first call runs the step while its executable is serialized and written; the interpreter
-waits for that thread before it exits.  Beside one plan entry at most :data:`KEEP_PER_PLAN` (4)
-executables are kept, the most recently written or loaded (:func:`prune`): each change of what
-keys an executable but not its plan (JAX's configuration, ``XLA_FLAGS``, ``donate_argnums``)
-adds one, and the older ones are deleted when a new one is written, with the pre-key indexes
-(``prefetch.py``) that name an executable no longer there.
+that refuses it) or whose payload is not the bytes written (the header keeps their SHA-256,
+checked before XLA reads them: :func:`intact`) is ignored with one :class:`JaxparWarning`; the
+program is lowered and compiled as without it, and the new executable replaces the file. Files
+are written under a temporary name and renamed into place, as the plans are, by a background
+thread (:func:`store_in_background`): the first call runs the step while its executable is
+serialized and written; the interpreter waits for that thread before it exits. Beside one plan
+entry at most :data:`KEEP_PER_PLAN` (4) executables are kept, the most recently written or
+loaded (:func:`prune`): each change of what keys an executable but not its plan (JAX's
+configuration, ``XLA_FLAGS``, ``donate_argnums``) adds one, and the older ones are deleted when
+a new one is written, with the pre-key indexes (``prefetch.py``) that name an executable no
+longer there.
 
 An executable that JAX's persistent compilation cache served (a process that found no plan, or
 no executable, but whose program JAX's cache holds) is not kept: serialized again it would not
@@ -83,7 +85,7 @@ from jaxpar._src.plan_cache import (
     write_atomically,
 )
 
-FORMAT = b"jaxpar.executable/1\n"
+FORMAT = b"jaxpar.executable/2\n"  # /2: the payload's SHA-256 in the header
 LOADED_NOTE = "executable loaded from the plan cache"  # in a loaded plan's last note
 _SKIP_CONFIG = ("cache", "log", "explain")  # jax.config values that do not change a program
 KEEP_PER_PLAN = 4  # executables kept beside one plan entry (prune): the most recently used
@@ -173,7 +175,8 @@ def store_executable(directory: str, key: ExecutableKey, compiled: Any,
                   f"{api}: the compiled program cannot be kept in the plan cache ({e}); later "
                   f"processes load the plan and compile it again.")
         return False
-    header = json.dumps(key.description, sort_keys=True).encode() + b"\n"
+    header = json.dumps(key.description, sort_keys=True).encode() + b"\n" + \
+        hashlib.sha256(payload).hexdigest().encode() + b"\n"
     written = write_atomically(key.path(directory), FORMAT + header + payload,
                                what="executables", api=api)
     if written:
@@ -281,13 +284,13 @@ def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: 
     if not data.startswith(FORMAT):
         _ignored(api, path, f"it is not a {FORMAT.decode().strip()} file")
         return None
-    header, sep, payload = data[len(FORMAT):].partition(b"\n")
-    try:
-        description = json.loads(header) if sep else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        description = None
+    description, checksum, payload = split_file(data)
     if description != key.description:
         _ignored(api, path, "its key is not the key its name stands for")
+        return None
+    if not intact(checksum, payload):
+        _ignored(api, path, "its executable is not the bytes written (cut short or changed: "
+                 "its SHA-256 differs)")
         return None
     try:
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
@@ -298,6 +301,34 @@ def load_executable(directory: str, key: ExecutableKey, in_tree: Any, out_tree: 
     with contextlib.suppress(OSError):  # recently used: pruned last (prune)
         os.utime(path)
     return compiled
+
+
+def split_file(data: bytes) -> tuple[Any, bytes, bytes]:
+    """The key description, the payload's stored SHA-256 (hex) and the payload of an
+    executable file's bytes ``data`` (which start with :data:`FORMAT`); the description is
+    ``None`` where the header is not JSON.
+
+    >>> split_file(FORMAT + b'{"a": 1}\\n' + b"0" * 64 + b"\\npayload")
+    ({'a': 1}, b'0000000000000000000000000000000000000000000000000000000000000000', b'payload')
+    """
+    header, sep, rest = data[len(FORMAT):].partition(b"\n")
+    checksum, _, payload = rest.partition(b"\n")
+    try:
+        description = json.loads(header) if sep else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        description = None
+    return description, checksum, payload
+
+
+def intact(checksum: bytes, payload: bytes) -> bool:
+    """Whether ``payload`` is the bytes written: its SHA-256 is the stored ``checksum``.  A
+    file cut short, with bytes appended or changed (one flipped byte inside XLA's program can
+    still deserialize, into another program that runs and computes other numbers) is not.
+
+    >>> intact(hashlib.sha256(b"x").hexdigest().encode(), b"x"), intact(b"0" * 64, b"x")
+    (True, False)
+    """
+    return hashlib.sha256(payload).hexdigest().encode() == checksum
 
 
 class _Traced(Exception):

@@ -13,7 +13,9 @@ compiling.
 The key is a SHA-256 of everything a plan depends on:
 
 * the program: every node of the traced graph (operator, operands, result shapes and dtypes,
-  equation parameters, loop structure, source line), the argument and result trees and paths;
+  equation parameters, loop structure, source line), the value of every closed-over constant
+  (``jax.jit`` bakes it into the program: :func:`constant_digest`), the argument and result
+  trees and paths;
 * the arguments as ``jax.jit`` keys them (:func:`call_key`: shapes, dtypes, weak types, static
   values by type);
 * the mesh (axis names and sizes, device ids, kinds and platform), the parallel and search
@@ -258,9 +260,9 @@ def write_atomically(path: str, data: bytes, *, what: str, api: str) -> bool:
 
 def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:
     """A SHA-256 of the traced program: every node in order with its operands, result shapes
-    and dtypes, equation parameters, loop structure and source line; the trees of arguments and
-    results.  Equal for two traces of the same function on the same argument types, in any
-    process."""
+    and dtypes, equation parameters, loop structure and source line, a constant's value; the
+    trees of arguments and results.  Equal for two traces of the same function on the same
+    argument types (and constants), in any process."""
     h = hashlib.sha256()
     h.update(_text((in_tree, out_tree, graph.order, graph.inputs, graph.outputs,
                     graph.remats)).encode())
@@ -280,10 +282,31 @@ def program_digest(graph: OpGraph, in_tree: Any, out_tree: Any) -> str:
         outs = ",".join(typed(values[v].shape, values[v].dtype) for v in node.outputs)
         params = _params(node.eqn.params, control=node.structure is not None) \
             if node.eqn is not None else ""
+        if node.constant is not None:  # a closed-over array: its value is in the program
+            params += f"|const={constant_digest(node.constant)}"
         lines.append(f"{node.kind}|{node.name}|{ins}|{outs}|{node.weight}|{node.region}|"
                      f"{node.label}|{node.remat}|{node.crossing}|{node.structure}|"
                      f"{node.source}|{params}\n")
     h.update("".join(lines).encode())
+    return h.hexdigest()
+
+
+def constant_digest(value: Any) -> str:
+    """A SHA-256 of a closed-over constant's dtype, shape and bytes: ``jax.jit`` bakes the
+    value into the program it compiles, so a constant of another value (a module-level array
+    the script changed, a function closing over another array) is another program, and its
+    stored plan's executable would compute with the old value.
+
+    >>> constant_digest(np.ones(3)) == constant_digest(np.ones(3, np.float32))
+    False
+    >>> constant_digest(np.ones(3)) == constant_digest(np.full(3, 2.0))
+    False
+    """
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
+        value = jax.random.key_data(value)  # a PRNG key: its raw data
+    array = np.asarray(value)
+    h = hashlib.sha256(f"{array.dtype}{array.shape}".encode())
+    h.update(array.tobytes())
     return h.hexdigest()
 
 

@@ -53,7 +53,7 @@ from typing import Any
 
 from jaxpar._src.compat import load_prefetched, prefetch_xla_executables
 from jaxpar._src.errors import JaxparWarning
-from jaxpar._src.executable_cache import FORMAT, ExecutableKey
+from jaxpar._src.executable_cache import FORMAT, ExecutableKey, intact, split_file
 from jaxpar._src.plan_cache import Unusable, _text, read_json, write_atomically
 
 INDEX_FORMAT = "jaxpar.prefetch/1"
@@ -170,10 +170,9 @@ class Prefetch:
                 data = f.read()
             if not data.startswith(FORMAT) or self._stop.is_set():
                 return
-            header, sep, payload = data[len(FORMAT):].partition(b"\n")
-            description = json.loads(header) if sep else None
-            if self._stop.is_set():
-                return
+            description, checksum, payload = split_file(data)
+            if self._stop.is_set() or not intact(checksum, payload):
+                return  # (a file not intact: the load that follows warns)
             self._got = (description, payload,
                          prefetch_xla_executables(payload, self._devices))
         except Exception:  # noqa: BLE001, S110 - a guess: the load that follows says why
