@@ -166,6 +166,23 @@ def test_the_program_digest_changes_with_a_closed_over_constants_value(where):
     assert _digest(_closing(1.0, where), _X) != _digest(_closing(2.0, where), _X)
 
 
+def test_a_global_constant_held_in_part_counts_by_its_type():
+    """Under jax.distributed a closed-over global array may live partly on other processes:
+    its bytes cannot be read here (np.asarray raises), so it counts by dtype and shape (no
+    executable is kept across processes: its value reaches no stored program)."""
+    from types import SimpleNamespace
+
+    from jaxpar._src.plan_cache import constant_digest
+
+    def held_in_part(shape):
+        return SimpleNamespace(dtype=np.dtype(np.float32), shape=shape,
+                               is_fully_addressable=False)
+
+    assert constant_digest(held_in_part((8, 16))) == constant_digest(held_in_part((8, 16)))
+    assert constant_digest(held_in_part((8, 16))) != constant_digest(held_in_part((16, 8)))
+    assert constant_digest(held_in_part((8, 16))) != constant_digest(np.ones((8, 16), np.float32))
+
+
 @pytest.mark.parametrize("where", ["top", "jit", "scan"])
 def test_a_closed_over_constants_value_is_not_served_from_the_cache(cache_dir, where):
     """The same function (one name, one code) closing over another value, as in a second run

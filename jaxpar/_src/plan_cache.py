@@ -301,7 +301,14 @@ def constant_digest(value: Any) -> str:
     False
     >>> constant_digest(np.ones(3)) == constant_digest(np.full(3, 2.0))
     False
+
+    A global array this process holds only part of (under ``jax.distributed``) counts by its
+    dtype and shape: its bytes cannot be read here, and no executable is kept across
+    processes (``executable_cache.py``), so its value reaches no stored program; the plan
+    itself depends on shapes only.
     """
+    if getattr(value, "is_fully_addressable", True) is False:
+        return hashlib.sha256(f"{value.dtype}{tuple(value.shape)}|global".encode()).hexdigest()
     if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
         value = jax.random.key_data(value)  # a PRNG key: its raw data
     array = np.asarray(value)
