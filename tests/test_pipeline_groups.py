@@ -35,6 +35,18 @@ def _step(loss, w, x, schedule="1f1b"):  # (dp, pp) = (4, 2)
         return value, grad, colls, step.plan(w, x).pipeline
 
 
+def _step_as_one_device(loss):
+    """The pipelined step of ``loss`` on a [4, 8, 8] stack of weights and 16 rows, its loss
+    and gradient checked against one device's; its collectives and pipeline plan."""
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    value, grad, colls, pipe = _step(loss, w, x)
+    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    return colls, pipe
+
+
 def _weight_reductions(colls):
     """All-reduces over dp of the stage's [.., 8, 8] weight gradients (the loss and the
     batch-mean statistics are shaped otherwise)."""
@@ -77,12 +89,7 @@ def test_a_mask_stretched_over_the_rows_is_read_per_group():
             x = jnp.where(keep, jnp.tanh(x @ w[i]), 0.0)  # (0.0: a zero block per layer)
         return jnp.mean(x ** 2)
 
-    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
-    x = jax.random.normal(jax.random.key(1), (16, 8))
-    value, grad, colls, pipe = _step(loss, w, x)
-    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    colls, pipe = _step_as_one_device(loss)
     red = pipe.gradient_reduction
     assert red.once, red
     # the mask (unstacked) and the zeros (stacked per layer) are [rows, 8]: each group reads
@@ -118,12 +125,7 @@ def test_a_rotary_embedding_keeps_rows_apart(rope):
             x = jnp.tanh(rope(x @ w[i], c, s))
         return jnp.mean(x ** 2)
 
-    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
-    x = jax.random.normal(jax.random.key(1), (16, 8))
-    value, grad, colls, pipe = _step(loss, w, x)
-    ref_value, ref_grad = jax.value_and_grad(loss)(w, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    colls, pipe = _step_as_one_device(loss)
     red = pipe.gradient_reduction
     assert red.once, red.why
     assert [(r.count, r.nbytes) for r in _weight_reductions(colls)] == [
