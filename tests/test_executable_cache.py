@@ -314,6 +314,42 @@ def test_the_executable_is_written_in_the_background_and_a_second_process_loads_
     assert taken[:1] == [True], taken  # read ahead of the trace: the pre-key is the same
 
 
+def test_the_executable_is_serialized_only_once_the_step_is_done(cache_dir, monkeypatch):
+    """The background writer waits for the call's outputs before it serializes: beside the
+    running step the serialization took three times as long and held the GIL the caller needed
+    to return (``executable_cache.store_in_background``)."""
+    import threading
+
+    from jaxpar._src import executable_cache
+
+    class Output:  # a step still running until ``done`` is set
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def block_until_ready(self) -> "Output":
+            self.done.wait(timeout=60)
+            return self
+
+    seen = []
+    monkeypatch.setattr(executable_cache, "store_executable",
+                        lambda *a, **k: seen.append(out.done.is_set()))
+    out = Output()
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile()
+    key = executable_cache.ExecutableKey("ab" * 32, "cd" * 32, {})
+    executable_cache.store_in_background(str(cache_dir), key, compiled, api="f", after=out)
+    threading.Event().wait(0.2)
+    assert seen == []  # not while the step runs
+    out.done.set()
+    flush()
+    assert seen == [True]
+    # an output deleted meanwhile (donated to the next step) counts as done
+    gone = jnp.ones(4)
+    gone.delete()
+    executable_cache.store_in_background(str(cache_dir), key, compiled, api="f", after=gone)
+    flush()
+    assert seen == [True, True]
+
+
 def test_a_kept_executable_is_not_also_written_to_jax_compilation_cache(cache_dir, tmp_path):
     """With JAX's persistent compilation cache on too, the program whose executable the plan
     cache keeps is not serialized into JAX's cache a second time (a later process loads it

@@ -185,8 +185,8 @@ class Parallelized:
             keep = self._compile_to_keep(entry, full) if entry.pending else None
             runner = entry.runner
             out = runner(*full)
-        if keep is not None:  # serialized and written while the step runs, not before it
-            store_in_background(*keep, api=self._info.api)
+        if keep is not None:  # serialized and written once the step has run, by a thread
+            store_in_background(*keep, api=self._info.api, after=out)
         self._fast.remember(stamp, ctx, algo, entry.fast_runner)
         return out
 
@@ -223,13 +223,13 @@ class Parallelized:
                          ) -> tuple[str, ExecutableKey, Any, str | None] | None:
         """Compiles the entry's program: the directory, key and executable to store in the plan
         cache (``executable_cache.py``) and the pre-key whose index is to name it once stored
-        (``prefetch.py``), or ``None`` (nothing to keep).  The call stores it
-        after dispatching the step (:func:`store_in_background`): the serialization holds the
-        GIL for most of its time (starting the writer waited 0.2 s of its 0.26 s at 6 GPT
-        layers, 0.4-0.5 s CPU at 24), which the call then spends while the step runs instead
-        of before it.  Lowered from the arguments as the call has placed them
-        (``full``): the call's ``jax.jit`` then finds this lowering and executable in its
-        caches, and no abstract copy of the arguments is made (880 leaves of a 24-layer GPT)."""
+        (``prefetch.py``), or ``None`` (nothing to keep).  The call dispatches the step, then
+        hands it to a thread that serializes and writes it once the step's outputs are ready
+        (:func:`store_in_background`: serialized beside the running step it took three times
+        as long, and the serialization holds the GIL).  Lowered from the arguments as the call
+        has placed them (``full``): the call's ``jax.jit`` then finds this lowering and
+        executable in its caches, and no abstract copy of the arguments is made (880 leaves of
+        a 24-layer GPT)."""
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(full)):
             return None  # called inside a transformation: no executable of its own to keep
         directory, key, ahead = entry.pending.pop()
