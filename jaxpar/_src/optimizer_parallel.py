@@ -11,6 +11,12 @@ otherwise hold identical copies (MindSpore: the parameter's "repeated" devices):
   ``jax.lax.with_sharding_constraint``), so no device keeps a whole gradient;
 * ``level3`` (ZeRO-3, FSDP): also the parameters, gathered just before each use.
 
+Gradients held across calls, gradient accumulators (optax.MultiSteps's ``acc_grads``, in the
+optimizer state; MindSpore's accumulated gradients), are split with the gradients: at level 2
+and above, or at level 1 with ``gradient_accumulation_shard`` (MindSpore's switch for them);
+level 1 alone keeps them whole, as MindSpore does.  ``Model`` then constrains each micro-step's
+gradients split too, so they are reduce-scattered into the accumulator.
+
 Nothing else changes: the layouts are pins like any user strategy, and XLA's SPMD partitioner
 inserts the collectives, as MaxText and Levanter do with their ``fsdp`` axis.  The update runs on
 each device's slice; at every level the gradient reaches it by reduce-scatter: the lowering
@@ -47,6 +53,8 @@ from jaxpar._src.errors import ContextError
 from jaxpar._src.spec import MeshShape, Spec
 
 LEVELS = {"level1": 1, "level2": 2, "level3": 3, "auto": 0}  # "auto": beyond MindSpore
+# Fields of the optimizer state that hold accumulated gradients (split with the gradients).
+ACCUMULATORS = ("acc_grads",)
 KEYS = ("optimizer_level", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
         "gradient_accumulation_shard")
 
@@ -62,8 +70,11 @@ class OptimizerParallel:
         :func:`choose_level`).
       threshold_kb: arrays smaller than this many KB stay whole (MindSpore's default 64).
       shard_size: devices one array is split over; ``-1``: the whole data-parallel group.
-      accumulation_shard: gradients kept split (MindSpore's ``gradient_accumulation_shard``:
-        the accumulated gradients split, reduce-scattered every step), as at level 2.
+      accumulation_shard: MindSpore's ``gradient_accumulation_shard``: the gradient
+        accumulators (:data:`ACCUMULATORS`) split, and ``Model``'s gradients constrained split
+        where ``jax.grad`` makes them, so each micro-step reduce-scatters them into the
+        accumulator; as level 2 does.  A step with no accumulators holds no gradient across
+        calls: there it changes nothing (level 1 already reduce-scatters the gradients).
 
     >>> import jaxpar
     >>> jaxpar.set_auto_parallel_context(enable_parallel_optimizer=True,
@@ -251,6 +262,31 @@ def state_roles(args: Sequence[Any], state_args: Sequence[int], static: Sequence
     return roles
 
 
+def accumulator_leaves(args: Sequence[Any], static: Sequence[int]) -> set[int]:
+    """The array leaves (numbered as :func:`state_roles` numbers them) that are gradient
+    accumulators: those under a field named in :data:`ACCUMULATORS`, optax.MultiSteps's
+    ``acc_grads`` (MindSpore's ``accu_grads``).  The optimizer state they sit in would split
+    them at level 1; MindSpore splits accumulated gradients only with
+    ``gradient_accumulation_shard`` (or level 2, which splits the gradients).
+
+    >>> import jax.numpy as jnp, optax
+    >>> p = {"w": jnp.ones((4, 2))}
+    >>> tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> sorted(accumulator_leaves((p, tx.init(p)), ()))  # p.w, mini_step, gradient_step, acc
+    [3]
+    """
+    out: set[int] = set()
+    n = 0
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        paths = jax.tree_util.tree_flatten_with_path(a)[0]
+        out.update(n + k for k, (path, _) in enumerate(paths)
+                   if any(getattr(e, "name", None) in ACCUMULATORS for e in path))
+        n += len(paths)
+    return out
+
+
 def _subtrees(tree: Any, offset: int, path: tuple[int, ...],
               groups: dict[Any, list[tuple[int, int, tuple[int, ...]]]]) -> int:
     """Records every subtree of ``tree`` that holds arrays and is not one bare array under
@@ -290,6 +326,9 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
     mesh: MeshShape = space.model.mesh
     state_args = [i for i, _ in threaded_state(args, program.out_shapes, static)]
     roles = state_roles(args, state_args, static)
+    for leaf in accumulator_leaves(args, static):  # gradients kept across calls
+        if roles[leaf] != "data":
+            roles[leaf] = "gradient"
     tied = dict(state_ties(program, args, static))
     out = list(pins)
     index = {(p.node, "in" if p.node in graph.outputs else "out"): k for k, p in enumerate(out)}
@@ -300,7 +339,8 @@ def optimizer_pins(opt: OptimizerParallel, program: Any, args: Sequence[Any],
             dp += [a for a in out[k].strategy.out_specs[0].dims[0] if a not in dp] \
                 if out[k].strategy.out_specs[0].dims else []
     dp_axes = tuple(dp) or mesh.names
-    wanted = {"optimizer"} | ({"param", "state"} if opt.shards_parameters else set())
+    wanted = {"optimizer"} | ({"gradient"} if opt.shards_gradients else set()) | (
+        {"param", "state"} if opt.shards_parameters else set())
     stacked = _stacked_leaves(args, static)
     for leaf, (role, nid) in enumerate(zip(roles, graph.inputs, strict=True)):
         value = graph.values[graph.nodes[nid].outputs[0]]

@@ -350,6 +350,10 @@ def _follow(graph: OpGraph, decisions: list[Any], node: Node, contracted: tuple[
         spec = decisions[value.producer].out_specs[value.index]
         for use in graph.consumers[vid]:
             reader = graph.nodes[use.consumer]
+            if reader.kind is NodeKind.CONTROL:
+                # a ``cond``'s or loop's own node lists its operands to order the graph and
+                # has no layouts; its enter nodes (consumers too) are the readers
+                continue
             rd = decisions[reader.id]
             read = rd.in_specs[use.in_index]
             perm = _keeps_layout(graph, reader, use.in_index)
