@@ -36,7 +36,7 @@ class PipelineConfig:
         ``"recompute"`` keeps only the stage's input and runs its forward again in the
         backward (less memory, one more forward); ``"auto"``: ``parallelize`` stores them
         where the step fits ``HardwareProfile.memory_per_device``, else recomputes them
-        (``residual_choice.py``).
+        (``residual_choice.py``); a cell run or stacked outside ``parallelize`` stores.
       reduction: how micro-batch losses combine: ``"mean"`` (equals the unpipelined step for
         a mean loss) or ``"sum"`` (MindSpore's ``PipelineCell``).
 
