@@ -95,3 +95,23 @@ def test_zero_levels_come_before_recomputing():
         assert mem["total"] <= budget, (budget, mem, note)
         peaks.append(mem["total"])
     assert peaks == sorted(peaks, reverse=True), peaks
+
+
+def test_auto_blocks_inside_the_pipeline_are_refused_for_now():
+    """``jaxpar.recompute(policy="auto")`` blocks in a pipelined loss are not chosen together
+    with ``pipeline_residuals="auto"`` yet: a clear error, not a silent choice."""
+    def loss(w, x):
+        for i in range(8):
+            x = jaxpar.recompute(lambda x, w: jnp.tanh(x @ w), policy="auto")(x, w[i])
+        return jnp.mean(x ** 2)
+
+    k = jax.random.split(jax.random.key(0), 2)
+    w, x = list(jax.random.normal(k[0], (8, 32, 32)) * 0.3), jax.random.normal(k[1], (64, 32))
+    with jaxpar.auto_parallel_context(
+            parallel_mode="auto_parallel", mesh=jaxpar.make_mesh((4, 2), ("dp", "pp")),
+            pipeline_stages=2, micro_batches=4, pipeline_config=_config("auto")):
+        f = jaxpar.parallelize(jax.value_and_grad(jaxpar.PipelineCell(loss, batch_argnums=1)),
+                               batch_argnums=1,
+                               hardware=jaxpar.HardwareProfile(memory_per_device=1e6))
+        with pytest.raises(jaxpar.PlanError, match="not chosen together with jaxpar.recompute"):
+            f.plan(w, x)
