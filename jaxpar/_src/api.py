@@ -52,6 +52,10 @@ from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, opti
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
+from jaxpar._src.pipeline.residual_choice import Tried, bounded
+from jaxpar._src.pipeline.residual_choice import choose as choose_residuals
+from jaxpar._src.pipeline.residual_choice import note as residuals_note
+from jaxpar._src.pipeline.residual_choice import refusal as residuals_refusal
 from jaxpar._src.placing import abstract_as, place_leaf, placed_as
 from jaxpar._src.plan import ShardingPlan
 from jaxpar._src.plan_cache import CacheKey, plan_cache_key, store_cached
@@ -329,6 +333,10 @@ class Parallelized:
                       prefetch: Prefetch | None) -> Compiled:
         info = self._info
         mesh = settings.mesh
+        auto_residuals = settings.pipeline is not None and \
+            settings.pipeline.config.residuals == "auto"
+        if auto_residuals:  # traced storing first (residual_choice.py)
+            settings = _with_residuals(settings, "store")
         program, batch, layers = self._trace(args, settings, names, None)
         t1 = time.perf_counter()
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
@@ -336,7 +344,17 @@ class Parallelized:
         cache_dir = config.plan_cache_dir
         key = plan = rung = text_sha = None
         hit = False
-        if layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
+        if auto_residuals and loops_in(program.graph) and \
+                bounded(settings.hardware.memory_per_device):
+            # store or recompute, by the budget; the choice is not kept in the plan cache
+            if layers:
+                raise PlanError(
+                    f"{info.api}: pipeline_residuals='auto' is not chosen together with "
+                    f"jaxpar.recompute(policy='auto') blocks yet; give pipeline_residuals "
+                    f"'store' or 'recompute', or the blocks fixed policies.")
+            settings, rung = self._residuals_choice(args, settings, names, program, batch)
+            program, batch, plan = rung.program, rung.batch, rung.plan
+        elif layers and settings.mode is ParallelMode.AUTO_PARALLEL and not settings.ckpt_load:
             # jaxpar.recompute(policy="auto") blocks: a policy per block (recompute_choice.py),
             # kept in the plan cache with the plan
             program, batch, plan, rung, key, text_sha, hit = self._recompute_choice(
@@ -358,6 +376,10 @@ class Parallelized:
             if key is not None and cache_dir:
                 text_sha = store_cached(cache_dir, key, plan, api=info.api)
         plan = attach_pipeline(plan, program.graph)  # from the graph: also for a cached plan
+        if auto_residuals and rung is None and loops_in(program.graph):
+            plan = dataclasses.replace(plan, notes=plan.notes + (
+                "pipeline_residuals (auto): store chosen, no memory budget "
+                "(HardwareProfile.memory_per_device)",))
         if settings.ckpt_save:
             plan.save(settings.ckpt_save)
         t2 = time.perf_counter()
@@ -458,22 +480,9 @@ class Parallelized:
                         f"the blocks outside nested jits, or give them fixed policies.")
                 program, batch, plan = self._plan(args, program, within, names, batch,
                                                   policies)
-                plan = dataclasses.replace(plan, memory_budget=budget)
-                in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
-                             for n in program.graph.inputs]
-                arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
-                flat_in = _in_shardings(plan, settings.mesh, arrivals)
-                jitted = self._jit(program, plan, settings.mesh, settings, arrivals, flat_in)
-                # Lowered from the arguments as the call places them, so that the call's
-                # jax.jit finds this lowering and executable in its caches: no second compile.
-                lowered = jitted.lower(*placed_as(args, info.static_argnums, flat_in,
-                                                  abstract_as))
-                keep = compile_to_keep(lowered)  # None: JAX's persistent cache served it
-                compiled = keep if keep is not None else lowered.compile()  # (now in memory)
-                self._rungs[key] = Rung(policies, program, batch, plan,
-                                        float(inspect_memory(compiled)["total"]),
-                                        inspect_flops(compiled), jitted, flat_in,
-                                        executable=keep)  # what the plan cache may keep
+                self._rungs[key] = self._compiled_rung(
+                    args, settings, policies, program, batch,
+                    dataclasses.replace(plan, memory_budget=budget))
             return self._rungs[key]
 
         levels: dict[int, str] = {}
@@ -514,6 +523,63 @@ class Parallelized:
             text_sha = store_cached(cache_dir, entry_key, plan, api=info.api,
                                     choice=list(chosen.policies))
         return chosen.program, chosen.batch, plan, chosen, entry_key, text_sha, False
+
+    def _compiled_rung(self, args: tuple, settings: Settings, policies: tuple[str, ...],
+                       program: TracedProgram, batch: tuple[int, ...] | None,
+                       plan: ShardingPlan) -> Rung:
+        """``plan`` lowered, compiled and measured (``memory_analysis``): a :class:`Rung`
+        whose jitted function the call then runs."""
+        in_shapes = [program.graph.values[program.graph.nodes[n].outputs[0]].shape
+                     for n in program.graph.inputs]
+        arrivals = arrival_specs(program, batch, settings.dataset_strategy, in_shapes)
+        flat_in = _in_shardings(plan, settings.mesh, arrivals)
+        jitted = self._jit(program, plan, settings.mesh, settings, arrivals, flat_in)
+        # Lowered from the arguments as the call places them, so that the call's jax.jit
+        # finds this lowering and executable in its caches: no second compile.
+        lowered = jitted.lower(*placed_as(args, self._info.static_argnums, flat_in,
+                                          abstract_as))
+        keep = compile_to_keep(lowered)  # None: JAX's persistent cache served it
+        compiled = keep if keep is not None else lowered.compile()  # (now in memory)
+        return Rung(policies, program, batch, plan, float(inspect_memory(compiled)["total"]),
+                    inspect_flops(compiled), jitted, flat_in,
+                    executable=keep)  # what the plan cache may keep
+
+    def _residuals_choice(self, args: tuple, settings: Settings, names: list[str],
+                          program: TracedProgram, batch: tuple[int, ...] | None
+                          ) -> tuple[Settings, Rung]:
+        """``pipeline_residuals="auto"`` (``pipeline/residual_choice.py``): storing, then
+        recomputing, each planned (at the parallel optimizer's levels where it is
+        ``"auto"``), the first whose predicted and compiled peaks fit the budget.  ``program``
+        is the step traced storing.  The settings it runs with, and its compiled rung."""
+        budget = float(settings.hardware.memory_per_device or 0.0)  # bounded: checked
+        free = dataclasses.replace(settings.hardware, memory_per_device=float("inf"))
+        opt = settings.optimizer
+        auto = opt is not None and opt.automatic
+
+        def attempt(residuals: str, level: int | None) -> Tried:
+            at = _with_residuals(settings, residuals)
+            o = opt if not auto else dataclasses.replace(opt, level=level) if level else None
+            # planned for time alone at a fixed level, as the recompute ladder's rungs are; a
+            # pipeline's loop is built for the parallel optimizer it runs with
+            p, b = (program, batch) if residuals == "store" and not auto else \
+                self._trace(args, dataclasses.replace(at, optimizer=o), names, None)[:2]
+            p, b, plan = self._plan(args, p, dataclasses.replace(at, hardware=free, optimizer=o),
+                                    names, b)
+            plan = dataclasses.replace(plan, memory_budget=budget,
+                                       notes=plan.notes + remat_notes(p.graph))
+            name = "" if not auto else f"level{level}" if level else "off"
+            if plan.memory_bytes > budget:  # not compiled: predicted over the budget
+                return Tried(residuals, name, None, plan.memory_bytes, None)
+            rung = self._compiled_rung(args, at, (), p, b, plan)
+            return Tried(residuals, name, rung, plan.memory_bytes, rung.compiled_bytes)
+
+        chosen, tried = choose_residuals(budget, attempt, (0, 1, 3) if auto else (None,))
+        if chosen is None:
+            raise residuals_refusal(self._info.api, budget, tried)
+        rung = chosen.rung
+        plan = dataclasses.replace(rung.plan, notes=rung.plan.notes
+                                   + (residuals_note(budget, chosen, tried),))
+        return _with_residuals(settings, chosen.residuals), dataclasses.replace(rung, plan=plan)
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None, policies: tuple[str, ...] | None = None
@@ -664,6 +730,13 @@ def _per_level(settings: Settings, program: TracedProgram) -> bool:
     the level."""
     opt = settings.optimizer
     return opt is not None and opt.automatic and bool(loops_in(program.graph))
+
+
+def _with_residuals(settings: Settings, residuals: str) -> Settings:
+    """``settings`` with the pipeline's ``pipeline_residuals`` set to ``residuals``."""
+    p = settings.pipeline
+    return dataclasses.replace(settings, pipeline=dataclasses.replace(
+        p, config=dataclasses.replace(p.config, residuals=residuals)))
 
 
 def _at_level(settings: Settings, level: Any) -> Settings:

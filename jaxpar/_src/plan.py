@@ -280,7 +280,8 @@ class ShardingPlan:
             out["data_parallel_s"] = self.baseline_s
         if self.optimal is not None:
             out["proven_optimal"] = self.optimal
-        recompute = tuple(n for n in self.notes if n.startswith("recompute")
+        recompute = tuple(n for n in self.notes if n.startswith(("recompute",
+                                                                 "pipeline_residuals"))
                           or "(jaxpar.recompute)" in n)  # what is recomputed, and why
         if recompute:
             out["recompute"] = recompute

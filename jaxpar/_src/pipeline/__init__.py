@@ -14,6 +14,7 @@ The pieces, in the order a pipelined loss goes through them::
     loop.py      the tick loop inside shard_map: forward, backward (jax.vjp), ppermute
     residuals.py which leaves of a chunk's pullback the loop stores, recomputes or takes live
     memory.py    what the loop holds per device: slots, accumulators, one tick (plan.memory_bytes)
+    residual_choice.py  pipeline_residuals="auto": store or recompute, by the memory budget
     arrays.py    the loop's slot buffers and gradient helpers
     program.py   everything above for one signature: the PipelineProgram
     tracing.py   what a parallelize call tells the PipelineCells it traces

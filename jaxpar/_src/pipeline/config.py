@@ -34,7 +34,9 @@ class PipelineConfig:
         so a micro-batch goes round the stages ``v`` times (the circular pipeline).
       residuals: ``"store"`` keeps each stage's backward residuals from its forward;
         ``"recompute"`` keeps only the stage's input and runs its forward again in the
-        backward (less memory, one more forward).
+        backward (less memory, one more forward); ``"auto"``: ``parallelize`` stores them
+        where the step fits ``HardwareProfile.memory_per_device``, else recomputes them
+        (``residual_choice.py``); a cell run or stacked outside ``parallelize`` stores.
       reduction: how micro-batch losses combine: ``"mean"`` (equals the unpipelined step for
         a mean loss) or ``"sum"`` (MindSpore's ``PipelineCell``).
 
@@ -78,7 +80,7 @@ _CONFIG_KEYS: dict[str, tuple[Any, ...] | None] = {
     "pipeline_scheduler": SCHEDULES,
     "pipeline_interleave": (True, False),
     "pipeline_repeats": None,
-    "pipeline_residuals": ("store", "recompute"),
+    "pipeline_residuals": ("store", "recompute", "auto"),
     "pipeline_reduction": ("mean", "sum"),
 }
 
