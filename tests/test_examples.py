@@ -45,3 +45,21 @@ def test_demo_plan_collectives_and_loss_going_down():
     layouts = dict(re.findall(r"^  (params\.\S+) +(\S.*)$", out, re.M))  # name, spec
     assert layouts["params.blocks.0.mlp.fc1.kernel.value"] == str(P(None, "mp"))
     assert layouts["params.blocks.0.mlp.fc2.kernel.value"] == str(P("mp"))
+
+
+def test_gpt_3d_search_chooses_the_three_kinds_and_the_optimizer_level():
+    """``examples/gpt_3d.py``'s default plan (``--plan-only``: the search, no compile or
+    training; the smoke run above and ``tests/test_pipeline_groups.py`` check its numerics):
+    on (dp, tp, pp) = (2, 2, 2) the search itself cuts the pipeline, splits stage weights
+    over ``tp``, puts the batch's rows on ``dp``, and under the 85 MiB budget, which the
+    parallel optimizer off does not fit, chooses its level."""
+    out = run_example("gpt_3d.py", "--plan-only")
+    chose = out.split("what the search chose, kind by kind:\n")[1]
+    assert re.search(r"pipeline \(pp\): 4 layers cut \[2, 2\] into 2 stages \(balanced", chose)
+    on_tp = int(re.search(r"operator \(tp\): (\d+) of 12 stage weights split over tp", chose)[1])
+    weights = re.findall(r"^    (\S+): (P\(.*\))$", chose, re.M)
+    assert on_tp >= 1 and len(weights) == on_tp, chose
+    assert all("'tp'" in spec for _, spec in weights), chose
+    assert re.search(r"data \(dp\): inputs and targets P\(\(?'dp'", chose), chose  # rows on dp
+    assert re.search(r"parallel optimizer: level[13] chosen \([\d.]+ MiB predicted per device, "
+                     r"budget 85\.00 MiB; tried off: no plan fits", chose), chose

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -421,24 +422,27 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
     predicted step time (``plan.step_time()``) one the budget did not squeeze is taken, then
     the one with the least memory, then the least communication.
 
+    The note names each setting tried, in order, with its predicted memory and step time, or,
+    where the search found no plan within the budget, the smallest it found.
+
     ``plan_for(setting)`` plans with ``setting`` (``None``: off)."""
     from jaxpar._src.errors import PlanError
     from jaxpar._src.search.auto import NEAR, SQUEEZED
 
     tried: list[tuple[OptimizerParallel | None, Any]] = []
-    refused: PlanError | None = None
+    attempts: list[tuple[OptimizerParallel | None, Any]] = []  # plans and refusals, in order
     for setting in (None, dataclasses.replace(opt, level=1), dataclasses.replace(opt, level=3)):
         try:  # an automatic search refuses a plan that does not fit by itself
             plan = plan_for(setting)
         except PlanError as e:
-            refused = e
+            attempts.append((setting, e))
             continue
         tried.append((setting, plan))
+        attempts.append((setting, plan))
         if plan.memory_bytes <= budget and SQUEEZED not in plan.notes:
             break
     if not tried:
-        assert refused is not None
-        raise refused
+        raise attempts[-1][1]
     fitting = [t for t in tried if t[1].memory_bytes <= budget]
     if fitting:  # of the fastest (within NEAR), one the budget did not squeeze, least memory
         fastest = min(p.step_time() for _, p in fitting)
@@ -453,9 +457,24 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
 
     note = (f"parallel optimizer: {name(setting)} chosen ({plan.memory_bytes / mib:.2f} MiB "
             f"predicted per device, budget {budget / mib:.2f} MiB; tried "
-            + ", ".join(f"{name(s)} {p.memory_bytes / mib:.2f} MiB "
-                        f"{p.step_time() * 1e3:.3g} ms"
+            + ", ".join(f"{name(s)}: {_refusal(p)}" if isinstance(p, PlanError) else
+                        f"{name(s)} {p.memory_bytes / mib:.2f} MiB {p.step_time() * 1e3:.3g} ms"
                         + (" squeezed by the search" if SQUEEZED in p.notes else "")
-                        for s, p in tried)
+                        for s, p in attempts)
             + ("; the fastest that fits" if len(fitting) > 1 else "") + ")")
     return dataclasses.replace(plan, notes=plan.notes + (note,))
+
+
+def _refusal(error: Exception) -> str:
+    """A level's refusal in a few words, for the note of :func:`choose_level`.
+
+    >>> _refusal(ValueError("jaxpar (x): no plan fits the memory budget of 85 MiB per device "
+    ...                     "(...); the smallest plan found needs 90.1 MiB. Use more devices"))
+    'no plan fits (the smallest the search found needs 90.1 MiB)'
+    >>> _refusal(ValueError("something else"))
+    'refused (something else)'
+    """
+    found = re.search(r"smallest plan found needs ([\d.]+ \w+)", str(error))
+    if found:
+        return f"no plan fits (the smallest the search found needs {found.group(1)})"
+    return f"refused ({str(error)[:120]})"
