@@ -661,7 +661,8 @@ def first_call_table(rows: list[dict]) -> list[str]:
              "compiling and running) and of it: place (the arguments moved to the plan's "
              "layouts), rest (the call less place, lower and XLA compile: JAX's dispatch and "
              "the step's run); write: serializing and writing the executable into the plan "
-             "cache, in a background thread while the step runs (after it: what the process "
+             "cache, in a background thread once the step's outputs are ready (the serialization "
+             "holds the GIL: the call's return may wait for it; in brackets: what the process "
              "still waited for at the end); seconds. compile ratio: jaxpar's XLA compile over "
              "jax.jit's, median of the repeats' ratios.", "",
              "| layers | ops | run | repeats | jaxpar s | jax.jit s | ratio (range) | "
