@@ -68,9 +68,10 @@ def test_level1_optimizer_state_falls_as_one_over_dp(dp):
     assert_tree_close(result[1], result[0], rtol=1e-5, atol=1e-6)
 
 
-def _model(level: int, dp: int, **config):
+def _model(level: int, dp: int, _hardware: jaxpar.HardwareProfile | None = None, **config):
     """``Model`` training an MLP with ``optax.MultiSteps`` (Adam every 2 micro-steps) on
-    ``dp`` devices: its compiled train step and its losses over 4 micro-steps."""
+    ``dp`` devices: its compiled train step and its losses over 4 micro-steps.  ``level`` 0
+    with ``_hardware``: ``"optimizer_level": "auto"`` under its budget."""
     _, (params, _, x, y) = _problem()
     x, y = np.asarray(x), np.asarray(y)
 
@@ -81,9 +82,11 @@ def _model(level: int, dp: int, **config):
         return jnp.mean((out - y) ** 2)
 
     tx = optax.MultiSteps(optax.adam(1e-2, eps=1e-3), every_k_schedule=2)
+    zero = _zero(level, parallel_optimizer_threshold=0, **config) if _hardware is None else \
+        dict(enable_parallel_optimizer=True, hardware=_hardware, parallel_optimizer_config={
+            "optimizer_level": "auto", "parallel_optimizer_threshold": 0, **config})
     with jaxpar.auto_parallel_context(parallel_mode="data_parallel",
-                                      mesh=jaxpar.make_mesh((dp,), ("dp",)),
-                                      **_zero(level, parallel_optimizer_threshold=0, **config)):
+                                      mesh=jaxpar.make_mesh((dp,), ("dp",)), **zero):
         model = jaxpar.Model((params, apply), mse, tx)
         compiled = model.lower(x, y).compile()
         model.train(1, [(x, y)] * 4)
@@ -169,3 +172,26 @@ def test_own_accumulating_step_splits_its_accumulators():
         colls = jaxpar.inspect.collectives(compiled)
         assert colls.total_bytes("reduce-scatter") == (psi if split else 0), colls.table()
         assert colls.total_bytes("all-reduce") == (0 if split else psi), colls.table()
+
+
+def test_auto_level_takes_level2_where_accumulators_make_it_fit():
+    """``"optimizer_level": "auto"`` on ``Model`` with ``optax.MultiSteps`` (gradients held
+    across calls), under a budget between level 2's compiled total and level 1's: level 2 is
+    the least communication that fits (level 3 fits too, gathering the parameters besides),
+    and it is chosen; its program is level 2's: the accumulators split, the gradients
+    reduce-scattered into them (Ψ) with the loss the only all-reduce, the parameters gathered
+    once (Ψ); the losses equal data parallel's.  Before, "auto" tried off, 1, 3 only and
+    traced ``Model``'s step once, without level 2's gradient constraint: it compiled level 3's
+    gathers with a full gradient all-reduce (Ψ)."""
+    fixed = {level: _model(level, 8) for level in (1, 2)}
+    total = {level: jaxpar.inspect.memory(c)["total"] for level, (c, _, _) in fixed.items()}
+    assert total[2] < total[1]
+    budget = (total[1] + total[2]) / 2
+    compiled, history, psi = _model(
+        0, 8, _hardware=jaxpar.HardwareProfile(memory_per_device=budget))
+    assert jaxpar.inspect.memory(compiled)["total"] == total[2]
+    colls = jaxpar.inspect.collectives(compiled)
+    assert colls.total_bytes("reduce-scatter") == psi, colls.table()
+    assert colls.total_bytes("all-reduce") == 4, colls.table()
+    assert colls.total_bytes("all-gather") == psi, colls.table()
+    np.testing.assert_allclose(history, fixed[1][1], rtol=1e-5)

@@ -48,7 +48,12 @@ from jaxpar._src.inspection import flops as inspect_flops
 from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
-from jaxpar._src.optimizer_parallel import OptimizerParallel, choose_level, optimizer_pins
+from jaxpar._src.optimizer_parallel import (
+    OptimizerParallel,
+    accumulator_leaves,
+    choose_level,
+    optimizer_pins,
+)
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
@@ -595,7 +600,10 @@ class Parallelized:
         opt = settings.optimizer
         if opt is None or not opt.automatic:
             return program, batch, self._plan_once(args, program, settings, names, batch)
-        again = _per_level(settings, program)
+        # Gradients held across calls (accumulators): level 2 splits them, and Model's
+        # gradient constraint follows the level traced for (shard_gradients)
+        holds = bool(accumulator_leaves(args, self._info.static_argnums))
+        again = _per_level(settings, program) or holds
         traced: dict[int, tuple[TracedProgram, tuple[int, ...] | None]] = {}
 
         def plan_for(o: OptimizerParallel | None) -> ShardingPlan:
@@ -608,7 +616,8 @@ class Parallelized:
             traced[plan.optimizer_level] = (p, b)
             return plan
 
-        plan = choose_level(plan_for, opt, float(settings.hardware.memory_per_device or 0.0))
+        plan = choose_level(plan_for, opt, float(settings.hardware.memory_per_device or 0.0),
+                            levels=(1, 2, 3) if holds else (1, 3))
         return *traced[plan.optimizer_level], plan
 
     def _plan_once(self, args: tuple, program: TracedProgram, settings: Settings,

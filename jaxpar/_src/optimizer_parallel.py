@@ -385,10 +385,17 @@ def shard_gradients(grads: Any, opt: OptimizerParallel | None) -> Any:
     """``grads`` constrained to level 2's layout (dimension 0 over every axis of the mesh being
     planned, as :func:`optimizer_pins` splits the state they update), so each device keeps
     only its slice of every gradient and XLA reduce-scatters them where they are made.
-    Unchanged outside ``parallelize``'s tracing or below level 2."""
+    Unchanged outside ``parallelize``'s tracing or below level 2; at ``"auto"``, the level the
+    trace plans for (``parallelize`` traces a step with gradient accumulators again per
+    level tried)."""
     from jaxpar._src.tracing_state import tracing_mesh
 
     mesh = tracing_mesh()
+    if opt is not None and opt.automatic:  # "auto": the level this trace plans for
+        from jaxpar._src.pipeline.tracing import current
+
+        traced = current()
+        opt = traced.optimizer if traced is not None else None
     if opt is None or not opt.shards_gradients or mesh is None or mesh.size == 1:
         return grads
     shape = MeshShape.of(mesh)
@@ -405,13 +412,17 @@ def shard_gradients(grads: Any, opt: OptimizerParallel | None) -> Any:
     return jax.tree.map(constrain, grads)
 
 
-def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
+def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float,
+                 levels: Sequence[int] = (1, 3)) -> Any:
     """``"optimizer_level": "auto"``: the plan of the least-communication setting whose
     predicted peak memory per device (``plan.memory_bytes``) fits ``budget``, trying the
     parallel optimizer off (data parallel's 2Ψ), then level 1 (2Ψ: reduce-scatter and
     all-gather) and level 3 (3Ψ); when none fits, the one with the least memory.  Level 2
-    adds nothing to level 1 in a function's own step (its gradients are temporaries the plan
-    already splits where the optimizer state needs them).  The choice is a note of the plan
+    adds nothing to level 1 in a step that holds no gradient across calls (its gradients are
+    temporaries the plan already splits where the optimizer state needs them); where it
+    does, gradient accumulators (:func:`accumulator_leaves`), the caller passes ``levels``
+    ``(1, 2, 3)``: level 2 splits them at level 1's communication, before level 3 gathers
+    the parameters too.  The choice is a note of the plan
     and its ``optimizer_level``: a plan made at level 1 makes its split gradients by
     reduce-scatter (``plan.scatters``), as one configured ``"level1"`` does.
 
@@ -431,7 +442,7 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float) -> Any:
 
     tried: list[tuple[OptimizerParallel | None, Any]] = []
     attempts: list[tuple[OptimizerParallel | None, Any]] = []  # plans and refusals, in order
-    for setting in (None, dataclasses.replace(opt, level=1), dataclasses.replace(opt, level=3)):
+    for setting in (None, *(dataclasses.replace(opt, level=k) for k in levels)):
         try:  # an automatic search refuses a plan that does not fit by itself
             plan = plan_for(setting)
         except PlanError as e:
