@@ -57,7 +57,7 @@ def test_pinned_fsdp_moves_no_more_bytes_and_memory_than_jit():
     ours_c, theirs_c = jaxpar.inspect.collectives(ours), jaxpar.inspect.collectives(theirs)
     assert ours_c.total_bytes() <= theirs_c.total_bytes(), (ours_c.table(), theirs_c.table())
     ours_m, theirs_m = jaxpar.inspect.memory(ours), jaxpar.inspect.memory(theirs)
-    assert ours_m["total"] <= 1.03 * theirs_m["total"], (ours_m, theirs_m)
+    assert ours_m["total"] <= theirs_m["total"], (ours_m, theirs_m)
     # The weights are gathered for use, not their activations all-reduced: no all-reduce
     # carries an activation (batch x seq x features) here.
     assert not [r for r in ours_c.of("all-reduce") if "[8,8," in " ".join(r.shapes)], \
