@@ -68,6 +68,28 @@ def test_level1_optimizer_state_falls_as_one_over_dp(dp):
     assert_tree_close(result[1], result[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dp", DPS)
+def test_level3_parameters_fall_as_one_over_dp(dp):
+    """Level 3 on ``dp`` devices: the parameters (argument 0) in ``memory_analysis()`` are
+    ``1/dp`` of their size (within 3%; whole at level 1), gathered for use (all-gathers of at
+    least Ψ per device), and the step's results equal plain data parallel's."""
+    step, args = _problem()
+    mesh = jaxpar.make_mesh((dp,), ("dp",))
+    held, result = {}, {}
+    for level in (0, 1, 3):
+        with jaxpar.auto_parallel_context(**_zero(level, parallel_optimizer_threshold=0)):
+            f = jaxpar.parallelize(step, mesh=mesh, parallel_mode="data_parallel")
+            compiled = f.lower(*args).compile()
+            result[level] = f(*args)
+        held[level], whole = _part_bytes(compiled, lambda p: p.startswith("[0][0]"))
+        if level == 3:
+            gathered = jaxpar.inspect.collectives(compiled).total_bytes("all-gather")
+            assert gathered >= whole, (dp, gathered, whole)
+    assert abs(held[1] - whole) <= 0.03 * whole, (dp, held, whole)
+    assert abs(held[3] - whole / dp) <= 0.03 * whole / dp, (dp, held, whole)
+    assert_tree_close(result[3], result[0], rtol=1e-5, atol=1e-6)
+
+
 def _model(level: int, dp: int, _hardware: jaxpar.HardwareProfile | None = None, **config):
     """``Model`` training an MLP with ``optax.MultiSteps`` (Adam every 2 micro-steps) on
     ``dp`` devices: its compiled train step and its losses over 4 micro-steps.  ``level`` 0
