@@ -15,19 +15,9 @@ import numpy as np
 import pytest
 
 import jaxpar
+from tests.test_pipeline import _toy
 
 NAN = float("nan")
-
-
-def _toy():
-    def loss(w, x):
-        for i in range(4):
-            x = jnp.tanh(x @ w[i])
-        return jnp.mean(x ** 2)
-
-    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
-    x = jax.random.normal(jax.random.key(1), (16, 8))
-    return loss, w, x
 
 
 def _pipelined(cell, args, stages=2, mesh_shape=(4, 2), config=None, **parallelize_kw):
