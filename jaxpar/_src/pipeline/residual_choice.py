@@ -18,8 +18,8 @@ A choice is taken when the plan's predicted peak (``plan.memory_bytes``, which c
 loop: ``pipeline/memory.py``) and then the compiled program's (``memory_analysis()``) are both
 within ``HardwareProfile.memory_per_device``; one predicted over the budget is not compiled.
 Each choice's plan does not depend on the budget, so the chosen program's compiled peak falls
-(or stays) as the budget falls.  Without a budget (``memory_per_device`` 0, ``None`` or
-infinite) ``"auto"`` stores.
+(or stays) as the budget falls.  Without a budget (``memory_per_device=float("inf")``; a
+profile left at ``None`` has its preset's memory, which is a budget) ``"auto"`` stores.
 
 >>> t = Tried("store", "", None, 3.0 * 2**20, 3.1 * 2**20)
 >>> fits(t, 4.0 * 2**20), fits(t, 3.05 * 2**20)
