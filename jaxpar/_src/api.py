@@ -18,7 +18,6 @@ from jaxpar._src.cached_build import (
     executable_kept,
     keep_compiled,
     start_prefetch,
-    stored_choice,
     stored_executable,
     stored_plan,
 )
@@ -47,6 +46,7 @@ from jaxpar._src.implicit_mesh import discover, implicit_mesh, outer_requests
 from jaxpar._src.inspection import flops as inspect_flops
 from jaxpar._src.inspection import memory as inspect_memory
 from jaxpar._src.lower import make_evaluator, named_sharding
+from jaxpar._src.memory_choices import MemoryChoices, with_residuals
 from jaxpar._src.mesh import check_auto_axes, make_mesh, single_device_mesh
 from jaxpar._src.optimizer_parallel import (
     OptimizerParallel,
@@ -57,26 +57,18 @@ from jaxpar._src.optimizer_parallel import (
 from jaxpar._src.pins import baseline_pins, batch_pins, gather_pins
 from jaxpar._src.pipeline import tracing as pipeline_tracing
 from jaxpar._src.pipeline.outer import attach_pipeline, loops_in, pipeline_settings
-from jaxpar._src.pipeline.residual_choice import Tried, bounded
-from jaxpar._src.pipeline.residual_choice import choose as choose_residuals
-from jaxpar._src.pipeline.residual_choice import note as residuals_note
-from jaxpar._src.pipeline.residual_choice import refusal as residuals_refusal
+from jaxpar._src.pipeline.residual_choice import bounded
 from jaxpar._src.placing import abstract_as, place_leaf, placed_as
 from jaxpar._src.plan import ShardingPlan
-from jaxpar._src.plan_cache import CacheKey, plan_cache_key, store_cached
+from jaxpar._src.plan_cache import plan_cache_key, store_cached
 from jaxpar._src.plan_files import check_save_path
 from jaxpar._src.planner import decide, load_strategies, make_plan
 from jaxpar._src.prefetch import Prefetch
 from jaxpar._src.program_memory import with_lowered_memory
-from jaxpar._src.recompute import POLICIES, choosing
+from jaxpar._src.recompute import choosing
 from jaxpar._src.recompute_choice import (
     Rung,
-    choice_key,
-    choose,
     cpu_memory_scheduler,
-    explain_choice,
-    ladder,
-    refusal,
     remat_notes,
 )
 from jaxpar._src.regather import Regather, regather_note
@@ -143,7 +135,7 @@ class Compiled:
         return self.runner if loaded is None or loaded.has_static else loaded.run
 
 
-class Parallelized:
+class Parallelized(MemoryChoices):
     """A function transformed by :func:`parallelize`: call it, ``.lower`` it, ``.plan`` it.
 
     >>> import jax.numpy as jnp, jaxpar
@@ -341,7 +333,7 @@ class Parallelized:
         auto_residuals = settings.pipeline is not None and \
             settings.pipeline.config.residuals == "auto"
         if auto_residuals:  # traced storing first (residual_choice.py)
-            settings = _with_residuals(settings, "store")
+            settings = with_residuals(settings, "store")
         program, batch, layers = self._trace(args, settings, names, None)
         t1 = time.perf_counter()
         settings.hardware.check_mesh(MeshShape.of(mesh), info.api)
@@ -444,91 +436,6 @@ class Parallelized:
                 batch = self._batch(args, program, names)
         return program, batch, auto.seen
 
-    def _recompute_choice(self, args: tuple, settings: Settings, names: list[str],
-                          signature: tuple, layers: list[str], base: TracedProgram,
-                          base_batch: tuple[int, ...] | None
-                          ) -> tuple[TracedProgram, tuple[int, ...] | None, ShardingPlan,
-                                     Rung | None, CacheKey | None, str | None, bool]:
-        """The first rung of the recompute ladder whose compiled peak fits the budget: its
-        program, batch arguments, plan, and the rung (whose jitted function is compiled).
-        With a plan cache, a stored choice is traced and its plan loaded instead (no rung);
-        ``base`` is the program traced with nothing recomputed.  Then the plan cache entry's
-        key, the SHA-256 of its text (``None`` without one) and whether it was read (a hit)."""
-        info = self._info
-        budget = float(settings.hardware.memory_per_device or 0.0)  # filled from the preset
-        cache_dir, entry_key = config.plan_cache_dir, None
-        if cache_dir:
-            entry_key = plan_cache_key(graph=base.graph, in_tree=base.in_tree,
-                                       out_tree=base.out_tree, signature=signature,
-                                       settings=settings, info=info,
-                                       choice=choice_key(layers, budget))
-            hit = stored_choice(
-                cache_dir, entry_key, base, base_batch, layers, POLICIES, api=info.api,
-                retrace=lambda policies: self._trace(args, settings, names, policies))
-            if hit is not None:
-                program, batch, plan, sha = hit
-                return program, batch, plan, None, entry_key, sha, True
-        free = dataclasses.replace(settings, hardware=dataclasses.replace(
-            settings.hardware, memory_per_device=float("inf")))
-
-        def rung(policies: tuple[str, ...], within: Settings = free) -> Rung:
-            key = (signature, within, policies)
-            if key not in self._rungs:
-                # a pipeline's loop is built for the parallel optimizer it runs with
-                program, batch, seen = self._trace(args, dataclasses.replace(
-                    settings, optimizer=within.optimizer), names, policies)
-                if len(seen) != len(layers):
-                    raise PlanError(
-                        f"{info.api}: tracing again with chosen recompute policies met "
-                        f"{len(seen)} jaxpar.recompute(policy='auto') blocks instead of "
-                        f"{len(layers)}; a jax.jit around them caches its first trace. Put "
-                        f"the blocks outside nested jits, or give them fixed policies.")
-                program, batch, plan = self._plan(args, program, within, names, batch,
-                                                  policies)
-                self._rungs[key] = self._compiled_rung(
-                    args, settings, policies, program, batch,
-                    dataclasses.replace(plan, memory_budget=budget))
-            return self._rungs[key]
-
-        levels: dict[int, str] = {}
-
-        def joint(policies: tuple[str, ...]) -> Rung:
-            """With ``"optimizer_level": "auto"`` too, the ZeRO levels (off, 1, 3: least
-            communication first) come before recomputing more: the first that fits."""
-            opt = settings.optimizer
-            if opt is None or not opt.automatic:
-                return rung(policies)
-            for level in (0, 1, 3):
-                o = dataclasses.replace(opt, level=level) if level else None
-                r = rung(policies, dataclasses.replace(free, optimizer=o))
-                levels[id(r)] = f"level{level}" if level else "off"
-                if r.compiled_bytes <= budget:
-                    break
-            return r
-
-        chosen, tried = choose(layers, budget, joint)
-        fallback = chosen is None
-        if chosen is None:  # the search's own lever: memory priced in, all blocks full
-            try:
-                chosen = rung(ladder(len(layers))[-1], settings)
-            except PlanError as e:
-                if "no plan fits the memory budget" not in str(e):
-                    raise
-                raise refusal(info.api, layers, budget, tried) from None
-            if chosen.compiled_bytes > budget:
-                raise refusal(info.api, layers, budget, [*tried, chosen])
-        notes = explain_choice(layers, budget, chosen, tried, fallback=fallback)
-        if id(chosen) in levels:
-            notes += (f"parallel optimizer: {levels[id(chosen)]} chosen with this recompute "
-                      f"choice (tried first at each rung: off, level1, level3)",)
-        plan = dataclasses.replace(chosen.plan, notes=chosen.plan.notes + notes
-                                   + remat_notes(chosen.program.graph))
-        text_sha = None
-        if entry_key is not None and cache_dir:
-            text_sha = store_cached(cache_dir, entry_key, plan, api=info.api,
-                                    choice=list(chosen.policies))
-        return chosen.program, chosen.batch, plan, chosen, entry_key, text_sha, False
-
     def _compiled_rung(self, args: tuple, settings: Settings, policies: tuple[str, ...],
                        program: TracedProgram, batch: tuple[int, ...] | None,
                        plan: ShardingPlan) -> Rung:
@@ -548,43 +455,6 @@ class Parallelized:
         return Rung(policies, program, batch, plan, float(inspect_memory(compiled)["total"]),
                     inspect_flops(compiled), jitted, flat_in,
                     executable=keep)  # what the plan cache may keep
-
-    def _residuals_choice(self, args: tuple, settings: Settings, names: list[str],
-                          program: TracedProgram, batch: tuple[int, ...] | None
-                          ) -> tuple[Settings, Rung]:
-        """``pipeline_residuals="auto"`` (``pipeline/residual_choice.py``): storing, then
-        recomputing, each planned (at the parallel optimizer's levels where it is
-        ``"auto"``), the first whose predicted and compiled peaks fit the budget.  ``program``
-        is the step traced storing.  The settings it runs with, and its compiled rung."""
-        budget = float(settings.hardware.memory_per_device or 0.0)  # bounded: checked
-        free = dataclasses.replace(settings.hardware, memory_per_device=float("inf"))
-        opt = settings.optimizer
-        auto = opt is not None and opt.automatic
-
-        def attempt(residuals: str, level: int | None) -> Tried:
-            at = _with_residuals(settings, residuals)
-            o = opt if not auto else dataclasses.replace(opt, level=level) if level else None
-            # planned for time alone at a fixed level, as the recompute ladder's rungs are; a
-            # pipeline's loop is built for the parallel optimizer it runs with
-            p, b = (program, batch) if residuals == "store" and not auto else \
-                self._trace(args, dataclasses.replace(at, optimizer=o), names, None)[:2]
-            p, b, plan = self._plan(args, p, dataclasses.replace(at, hardware=free, optimizer=o),
-                                    names, b)
-            plan = dataclasses.replace(plan, memory_budget=budget,
-                                       notes=plan.notes + remat_notes(p.graph))
-            name = "" if not auto else f"level{level}" if level else "off"
-            if plan.memory_bytes > budget:  # not compiled: predicted over the budget
-                return Tried(residuals, name, None, plan.memory_bytes, None)
-            rung = self._compiled_rung(args, at, (), p, b, plan)
-            return Tried(residuals, name, rung, plan.memory_bytes, rung.compiled_bytes)
-
-        chosen, tried = choose_residuals(budget, attempt, (0, 1, 3) if auto else (None,))
-        if chosen is None:
-            raise residuals_refusal(self._info.api, budget, tried)
-        rung = chosen.rung
-        plan = dataclasses.replace(rung.plan, notes=rung.plan.notes
-                                   + (residuals_note(budget, chosen, tried),))
-        return _with_residuals(settings, chosen.residuals), dataclasses.replace(rung, plan=plan)
 
     def _plan(self, args: tuple, program: TracedProgram, settings: Settings, names: list[str],
               batch: tuple[int, ...] | None, policies: tuple[str, ...] | None = None
@@ -739,13 +609,6 @@ def _per_level(settings: Settings, program: TracedProgram) -> bool:
     the level."""
     opt = settings.optimizer
     return opt is not None and opt.automatic and bool(loops_in(program.graph))
-
-
-def _with_residuals(settings: Settings, residuals: str) -> Settings:
-    """``settings`` with the pipeline's ``pipeline_residuals`` set to ``residuals``."""
-    p = settings.pipeline
-    return dataclasses.replace(settings, pipeline=dataclasses.replace(
-        p, config=dataclasses.replace(p.config, residuals=residuals)))
 
 
 def _at_level(settings: Settings, level: Any) -> Settings:
