@@ -68,6 +68,21 @@ class PlanError(JaxparError):
     """
 
 
+class NoPlanFits(PlanError):
+    """The automatic search found no plan within ``HardwareProfile.memory_per_device``;
+    ``smallest_bytes``: the peak per device of the smallest plan it found (what a caller that
+    tries other settings reports of this one).
+
+    >>> e = NoPlanFits("no plan fits", 3.0 * 2**20)
+    >>> isinstance(e, PlanError), e.smallest_bytes
+    (True, 3145728.0)
+    """
+
+    def __init__(self, message: str, smallest_bytes: float) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+
+
 class DatasetError(JaxparError):
     """A dataset is built or used inconsistently (columns, shards, batch sizes, ...).
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxpar._src.cached_build import stored_choice
 from jaxpar._src.config import config
-from jaxpar._src.errors import PlanError
+from jaxpar._src.errors import NoPlanFits, PlanError
 from jaxpar._src.pipeline.residual_choice import Tried
 from jaxpar._src.pipeline.residual_choice import choose as choose_residuals
 from jaxpar._src.pipeline.residual_choice import note as residuals_note
@@ -128,9 +128,7 @@ class MemoryChoices:
         if chosen is None:  # the search's own lever: memory priced in, all blocks full
             try:
                 chosen = rung(ladder(len(layers))[-1], settings)
-            except PlanError as e:
-                if "no plan fits the memory budget" not in str(e):
-                    raise
+            except NoPlanFits:
                 raise refusal(info.api, layers, budget, tried) from None
             if chosen.compiled_bytes > budget:
                 raise refusal(info.api, layers, budget, [*tried, chosen])

@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxpar._src.errors import ContextError
+from jaxpar._src.errors import ContextError, NoPlanFits
 from jaxpar._src.spec import MeshShape, Spec
 
 LEVELS = {"level1": 1, "level2": 2, "level3": 3, "auto": 0}  # "auto": beyond MindSpore
@@ -479,13 +478,14 @@ def choose_level(plan_for: Any, opt: OptimizerParallel, budget: float,
 def _refusal(error: Exception) -> str:
     """A level's refusal in a few words, for the note of :func:`choose_level`.
 
-    >>> _refusal(ValueError("jaxpar (x): no plan fits the memory budget of 85 MiB per device "
-    ...                     "(...); the smallest plan found needs 90.1 MiB. Use more devices"))
+    >>> from jaxpar._src.errors import NoPlanFits
+    >>> _refusal(NoPlanFits("no plan fits the memory budget ...", 90.1 * 2**20))
     'no plan fits (the smallest the search found needs 90.1 MiB)'
     >>> _refusal(ValueError("something else"))
     'refused (something else)'
     """
-    found = re.search(r"smallest plan found needs ([\d.]+ \w+)", str(error))
-    if found:
-        return f"no plan fits (the smallest the search found needs {found.group(1)})"
+    if isinstance(error, NoPlanFits):
+        from jaxpar._src.plan import _bytes  # (plan.py's units, as the search's message)
+
+        return f"no plan fits (the smallest the search found needs {_bytes(error.smallest_bytes)})"
     return f"refused ({str(error)[:120]})"

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxpar._src.errors import PlanError
+from jaxpar._src.errors import NoPlanFits, PlanError
 from jaxpar._src.graph import NodeKind, OpGraph
 from jaxpar._src.plan import _bytes
 from jaxpar._src.regather import ORIGIN as REGATHERED
@@ -107,12 +107,12 @@ class Memory:
         scale = max(self.budget - fixed, 0.0) / max(est.peak - fixed, 1.0)
         return _fold((coeffs, live * scale), self.owner)
 
-    def refusal(self, smallest: float) -> PlanError:
-        return PlanError(
+    def refusal(self, smallest: float) -> NoPlanFits:
+        return NoPlanFits(
             f"jaxpar ({self.search_mode}): no plan fits the memory budget of "
             f"{_bytes(self.budget)} per device (HardwareProfile.memory_per_device); the "
             f"smallest plan found needs {_bytes(smallest)}. Use more devices, a smaller batch, "
-            f"or raise memory_per_device.")
+            f"or raise memory_per_device.", smallest)
 
 
 def priced(solve: Callable[[Problem, float], dict[int, int]]) -> Solver:
