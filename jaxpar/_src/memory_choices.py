@@ -160,8 +160,11 @@ class MemoryChoices:
             at = with_residuals(settings, residuals)
             o = opt if not auto else dataclasses.replace(opt, level=level) if level else None
             # planned for time alone at a fixed level, as the recompute ladder's rungs are; a
-            # pipeline's loop is built for the parallel optimizer it runs with
-            p, b = (program, batch) if residuals == "store" and not auto else \
+            # pipeline's loop is built for the parallel optimizer it runs with ("program",
+            # traced storing at "auto", i.e. level 0, is the one with the optimizer off, as
+            # in _plan, unless "auto" shards the gradients)
+            same = residuals == "store" and (not auto or (o is None and not opt.shards_gradients))
+            p, b = (program, batch) if same else \
                 self._trace(args, dataclasses.replace(at, optimizer=o), names, None)[:2]
             p, b, plan = self._plan(args, p, dataclasses.replace(at, hardware=free, optimizer=o),
                                     names, b)
