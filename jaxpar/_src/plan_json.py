@@ -36,7 +36,9 @@ def _coll_from(d: dict) -> PredictedCollective:
 
 
 def _specs(specs: Any) -> list:
-    return [s.to_json() for s in specs]
+    """Layouts as JSON data: each ``Spec.to_json()`` but as the spec's own tuples (the same
+    text; a plan entry writes about 30,000 layouts of a few distinct ones: issue 14)."""
+    return [s.dims for s in specs]
 
 
 def _unspecs(data: Any, seen: dict | None = None) -> tuple[Spec, ...]:
@@ -58,13 +60,13 @@ def _unspec(data: Any, seen: dict | None) -> Spec:
 def _decision_to(d: OpDecision) -> dict:
     out = {
         "node": d.node, "kind": d.kind, "name": d.name, "source": d.source, "label": d.label,
-        "in_shapes": [list(s) for s in d.in_shapes], "out_shapes": [list(s) for s in d.out_shapes],
+        "in_shapes": d.in_shapes, "out_shapes": d.out_shapes,  # (tuples: the same text)
         "in_specs": _specs(d.in_specs), "out_specs": _specs(d.out_specs), "origin": d.origin,
         "weight": d.weight, "flops": d.flops,
         "collectives": [_coll_to(c) for c in d.collectives],
         "redistributions": [{
             "producer": r.producer, "out_index": r.out_index, "consumer": r.consumer,
-            "in_index": r.in_index, "src": r.src.to_json(), "dst": r.dst.to_json(),
+            "in_index": r.in_index, "src": r.src.dims, "dst": r.dst.dims,
             "collectives": [_coll_to(c) for c in r.collectives]} for r in d.redistributions],
     }
     if d.category != "other":
