@@ -2,6 +2,8 @@
 wins (``search/auto.py``: ``NEAR``), and under a binding budget ``"optimizer_level": "auto"``
 takes the cheapest ZeRO level that fits (``optimizer_parallel.choose_level``)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -266,14 +268,16 @@ def test_lean_polish_only_where_it_can_break_a_tie(search_s, other_s, other_peak
 
 
 @pytest.mark.parametrize("model,args,skipped", [
-    ("scan_cumprod", (), True),  # data parallel 11% faster than the search's plan
+    ("scan_cumprod", (), True),  # data parallel 11% faster than the search's own plan
     ("wide_mlp", (), False),  # the search's plan is used: 2% faster than data parallel
 ])
 def test_lean_polish_skipped_only_beyond_a_tie_changes_no_plan(monkeypatch, model, args,
                                                                 skipped):
     """Where the bound says the polish cannot be used it is not run, and the plan is the one
-    the frame chooses with it run (every layout); where the search's plan wins it is run."""
+    the frame chooses with it run (every layout); where the search's plan wins it is run.
+    (The search's own plan, as it ends without going on from data parallel: the test below.)"""
     monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    monkeypatch.setattr(auto, "_from_start", lambda target, choice, *a: choice)
     step, args = getattr(am, model)(*args)[:2]
     mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
     polished = []
@@ -297,3 +301,36 @@ def test_lean_polish_skipped_only_beyond_a_tie_changes_no_plan(monkeypatch, mode
     assert layouts == [(d.node, d.in_specs, d.out_specs, d.origin) for d in again.decisions]
     assert tuple(n for n in first.notes if n not in untried) == again.notes
     assert first.step_time() == again.step_time()
+
+
+@pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
+def test_search_is_never_dearer_than_data_parallel_under_its_own_cost(monkeypatch, mode):
+    """A scan's step, on which the searches' own plans cost more than pure data parallel under
+    the problem's cost (and more priced whole): the search goes on from data parallel,
+    local search finds nothing cheaper, and the plan says so; it is the very plan (every
+    layout and origin) the frame chose when it set the search's plan aside for data parallel."""
+    monkeypatch.setattr(jaxpar.config, "plan_cache_dir", None)
+    step, args = am.scan_cumprod()[:2]
+    mesh = jaxpar.make_mesh((2, 4), ("dp", "mp"))
+    solves = []
+    solve = auto._solve
+    monkeypatch.setattr(auto, "_solve", lambda *a, **k: solves.append(1) or solve(*a, **k))
+
+    def plan():
+        return jaxpar.parallelize(step, mesh=mesh, parallel_mode="auto_parallel",
+                                  search_mode=mode).plan(*args)
+
+    seeded = plan()
+    went_on = [n for n in seeded.notes if "went on from data parallel" in n]
+    assert went_on, seeded.notes
+    cost = re.match(r"the search's own plan cost (\d+)% more than pure data parallel under",
+                    went_on[0])
+    assert cost and int(cost[1]) > 0, went_on
+    assert seeded.objective_s == seeded.baseline_s
+    assert len(solves) == 1
+    monkeypatch.setattr(auto, "_from_start", lambda target, choice, *a: choice)
+    before = plan()
+    assert "pure data parallel was cheaper" in " ".join(before.notes)
+    assert [(d.node, d.in_specs, d.out_specs, d.origin) for d in seeded.decisions] == \
+        [(d.node, d.in_specs, d.out_specs, d.origin) for d in before.decisions]
+    assert seeded.step_time() == before.step_time()
