@@ -190,18 +190,19 @@ def _search(search_mode: str, solver: Solver, request: SearchRequest) -> SearchR
 
     # The search went on from data parallel and local search found nothing cheaper: its plan
     # is data parallel's, used as the baseline is (not polished, no cost terms: as before)
-    found_baseline = started and base is not None and strategies == base
+    found_baseline = started and strategies == base
     options = [] if found_baseline else [option("search", strategies)]
     baseline_s = None
     if base is not None:
         options.append(option("baseline", base))
         baseline_s = options[-1].step_s
-    lean, untried = choice, None if found_baseline else _beyond_tie(options, budget, roomy)
-    if untried is None and not found_baseline:
-        # (priced after the baseline, listed before it: ties go to the lean)
-        lean = _lean(problem, choice)
-        if lean != choice:
-            options.insert(1, option("lean", problem.expand(lean)))
+    lean, untried = choice, None
+    if not found_baseline:
+        untried = _beyond_tie(options, budget, roomy)
+        if untried is None:  # (priced after the baseline, listed before it: ties go to the lean)
+            lean = _lean(problem, choice)
+            if lean != choice:
+                options.insert(1, option("lean", problem.expand(lean)))
     chosen, why = _choose(options, budget, roomy)
     if chosen is None:
         smallest = min(o.estimate.peak for o in options)
@@ -390,12 +391,11 @@ def _from_start(target: Problem, choice: dict[int, int], start: Mapping[int, OpS
     polished as any search's plan)."""
     index: dict[int, int] = {}
     for r in target.reps:
-        strategy = start.get(r)
-        cands = target.cands[r]
-        if strategy is None or strategy not in cands:
+        try:
+            k = index[r] = target.cands[r].index(start[r])
+        except (KeyError, ValueError):  # no start for it, or not one of its candidates
             return choice
-        index[r] = cands.index(strategy)
-        if target.forced.get(r, index[r]) != index[r]:
+        if target.forced.get(r, k) != k:
             return choice
     if not better(target.objective(index), target.objective(choice)):
         return choice
