@@ -397,19 +397,19 @@ def _from_start(target: Problem, choice: dict[int, int], start: Mapping[int, OpS
             return choice
         if target.forced.get(r, k) != k:
             return choice
-    if not better(target.objective(index), target.objective(choice)):
+    was = target.objective(choice)
+    if not better(target.objective(index), was):
         return choice
     polished = improve(target, index, sweeps=2)
     if not memory.fits(polished):
         return choice
-    was, now = target.objective(choice), target.objective(polished)
+    more = (f"the search's own plan cost {was / target.objective(polished) - 1:.0%} more than "
+            f"pure data parallel")
     if polished == index:
-        notes.append(f"the search's own plan cost {was / now - 1:.0%} more than pure data "
-                     f"parallel under the search's cost model: the search went on from data "
+        notes.append(f"{more} under the search's cost model: the search went on from data "
                      f"parallel, local search found nothing cheaper, and data parallel is used")
     else:
-        notes.append(f"the search's own plan cost {was / now - 1:.0%} more than pure data "
-                     f"parallel polished by local search, under the search's cost model: the "
+        notes.append(f"{more} polished by local search, under the search's cost model: the "
                      f"search went on from data parallel")
     return polished
 
